@@ -1,0 +1,81 @@
+"""Where everything lives and listens: one settings object read from the environment.
+
+Every field can be set as ``SPANRL_<FIELD>`` (e.g. ``SPANRL_KAFKA_PORT=29092``) or in
+a ``.env`` file. Ports bind to ``host`` (loopback by default). Secrets (MinIO keys)
+come only from the environment; the defaults are for the local throwaway stack.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spanrl"
+
+
+class Settings(BaseSettings):
+    """Configuration of the local stack and of spanrl's services (env prefix ``SPANRL_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPANRL_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    cache_dir: Path = _default_cache()
+    #: run-time state of the stack (logs, Kafka log dirs, MinIO data); inside the clone
+    state_dir: Path = Path(".spanrl")
+
+    kafka_port: int = 19092
+    kafka_controller_port: int = 19093
+    kafka_version: str = "4.1.1"
+    minio_port: int = 19000
+    minio_console_port: int = 19001
+    minio_access_key: str = "spanrl"
+    minio_secret_key: SecretStr = SecretStr("spanrl-local-secret")
+    checkpoint_bucket: str = "spanrl-checkpoints"
+    payload_bucket: str = "spanrl-payloads"
+    vllm_port: int = 18000
+    bridge_port: int = 14318
+    proxy_port: int = 18080
+    faust_web_port: int = 16066
+    reloader_port: int = 18090
+    trainer_port: int = 18091
+
+    #: served model name at vLLM and in spans
+    model_name: str = "policy"
+    #: directory of the base model (safetensors); default: the converted SmolLM2 in the cache
+    base_model_dir: Path | None = None
+    run: str = "default"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"{self.host}:{self.kafka_port}"
+
+    @property
+    def minio_endpoint(self) -> str:
+        return f"{self.host}:{self.minio_port}"
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://{self.host}:{self.vllm_port}"
+
+    @property
+    def bridge_url(self) -> str:
+        return f"http://{self.host}:{self.bridge_port}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.host}:{self.proxy_port}"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.base_model_dir or (self.cache_dir / "models" / "SmolLM2-135M-Instruct")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (read once from the environment)."""
+    return Settings()

@@ -1,0 +1,61 @@
+"""The one declaration of spanrl's Kafka topics: key, record type, partitions, retention.
+
+The stack (``infra``) creates topics from this table and every producer and consumer
+names topics through it, so a topic name is typed once. Topics keyed by rollout_id
+share a partition count so that Faust can co-partition them (Faust docs, "Streams:
+co-partitioning").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DAY_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class Topic:
+    """One Kafka topic.
+
+    name: topic name; key: what the record key holds; record: schemas.codec record type;
+    partitions: partition count; retention_ms: -1 keeps forever;
+    compact: log compaction (latest value per key) instead of deletion;
+    max_message_bytes: broker-side per-record limit (Kafka ``max.message.bytes``).
+    """
+
+    name: str
+    key: str
+    record: str
+    partitions: int
+    retention_ms: int = 7 * DAY_MS
+    compact: bool = False
+    max_message_bytes: int = 4 * 1024 * 1024
+
+    def config(self) -> dict[str, str]:
+        """Topic-level configs for CreateTopics (Kafka doc: "Topic Configs")."""
+        return {
+            "retention.ms": str(self.retention_ms),
+            "cleanup.policy": "compact" if self.compact else "delete",
+            "max.message.bytes": str(self.max_message_bytes),
+            "compression.type": "zstd",
+        }
+
+
+ROLLOUT_PARTITIONS = 4
+
+SPANS = Topic("spans", "rollout_id", "span", ROLLOUT_PARTITIONS, retention_ms=-1)
+REWARDS = Topic("rewards", "rollout_id", "reward", ROLLOUT_PARTITIONS, retention_ms=-1)
+ROLLOUTS = Topic("rollouts", "rollout_id", "rollout", ROLLOUT_PARTITIONS, retention_ms=-1)
+TASKS = Topic("tasks", "task_id", "task", ROLLOUT_PARTITIONS)
+TRANSITIONS = Topic("transitions", "task_id", "transition", ROLLOUT_PARTITIONS, retention_ms=-1)
+SAMPLES = Topic("samples", "task_id", "sample", 1, retention_ms=-1)
+CHECKPOINTS = Topic("checkpoints", "run", "checkpoint", 1, retention_ms=-1, compact=False)
+DEAD_LETTER = Topic("dead-letter", "rollout_id", "dead_letter", 1, retention_ms=-1)
+
+ALL: tuple[Topic, ...] = (SPANS, REWARDS, ROLLOUTS, TASKS, TRANSITIONS, SAMPLES, CHECKPOINTS, DEAD_LETTER)
+BY_NAME = {t.name: t for t in ALL}
+
+
+def derived(base: Topic, suffix: str) -> Topic:
+    """A topic shaped like ``base`` named ``base.name + '.' + suffix`` (replay outputs)."""
+    return Topic(f"{base.name}.{suffix}", base.key, base.record, base.partitions,
+                 base.retention_ms, base.compact, base.max_message_bytes)
