@@ -17,8 +17,6 @@ import io
 import json
 import re
 import struct
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -52,84 +50,98 @@ class SchemaError(ValueError):
         self.detail = detail
 
 
-@dataclass(frozen=True)
-class _Schemas:
-    versions: dict[int, Any]  # version -> parsed schema
+class SchemaRegistry:
+    """The versioned schemas of one directory (``<record>.v<N>.avsc`` files)."""
 
-    @property
-    def latest_version(self) -> int:
-        return max(self.versions)
+    def __init__(self, directory: Path = AVRO_DIR):
+        self.directory = Path(directory)
+        self._versions: dict[str, dict[int, Any]] = {}
+
+    def versions(self, record_type: str) -> dict[int, Any]:
+        """version -> parsed schema for ``record_type``; raises SchemaError if none."""
+        if record_type in self._versions:
+            return self._versions[record_type]
+        if record_type not in RECORD_NAMES:
+            raise SchemaError("schema_error", f"unknown record type {record_type!r}")
+        versions: dict[int, Any] = {}
+        for path in self.directory.glob(f"{record_type}.v*.avsc"):
+            m = re.fullmatch(rf"{record_type}\.v(\d+)\.avsc", path.name)
+            if not m:
+                continue
+            named: dict[str, Any] = {}
+            for dep in _DEPENDS.get(record_type, ()):
+                fastavro.parse_schema(self._raw(dep, self.latest_version(dep)), named_schemas=named)
+            versions[int(m.group(1))] = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=named)
+        if not versions:
+            raise SchemaError("schema_error", f"no .avsc for {record_type!r} in {self.directory}")
+        self._versions[record_type] = versions
+        return versions
+
+    def _raw(self, record_type: str, version: int) -> dict:
+        return json.loads((self.directory / f"{record_type}.v{version}.avsc").read_text())
+
+    def latest_version(self, record_type: str) -> int:
+        """Newest schema version of ``record_type`` (e.g. ``"span"``)."""
+        return max(self.versions(record_type))
+
+    def encode(self, record_type: str, record: dict, version: int | None = None) -> bytes:
+        """Encode ``record`` as ``record_type`` (newest schema unless ``version``).
+
+        Returns header + Avro body. Raises :class:`SchemaError` (reason ``schema_error``)
+        when the record does not match the schema.
+        """
+        versions = self.versions(record_type)
+        version = max(versions) if version is None else version
+        if version not in versions:
+            raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
+        record = {**record, "schema_version": version}
+        buf = io.BytesIO()
+        buf.write(_HEADER.pack(MAGIC, version))
+        try:
+            fastavro.schemaless_writer(buf, versions[version], record, strict_allow_default=True)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            raise SchemaError("schema_error", f"{record_type} v{version}: {exc}") from exc
+        return buf.getvalue()
+
+    def decode(self, record_type: str, data: bytes) -> dict:
+        """Decode bytes written by :meth:`encode` into the newest schema of ``record_type``.
+
+        Raises :class:`SchemaError` with reason ``schema_error`` for a wrong header, an
+        unknown writer version, a body that does not parse or trailing bytes.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < _HEADER.size:
+            raise SchemaError("schema_error", "record shorter than the 3-byte header")
+        magic, version = _HEADER.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise SchemaError("schema_error", f"bad magic byte 0x{magic:02x}")
+        versions = self.versions(record_type)
+        writer = versions.get(version)
+        if writer is None:
+            raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
+        body = bytes(data[_HEADER.size:])
+        buf = io.BytesIO(body)
+        try:
+            record = fastavro.schemaless_reader(buf, writer, versions[max(versions)])
+        except Exception as exc:  # fastavro raises many types on corrupt input
+            raise SchemaError("schema_error", f"{record_type} v{version}: {type(exc).__name__}: {exc}") from exc
+        if buf.tell() != len(body):
+            raise SchemaError("schema_error", f"{record_type} v{version}: trailing bytes after record")
+        return record
 
 
-@lru_cache(maxsize=None)
-def _load(record_type: str) -> _Schemas:
-    if record_type not in RECORD_NAMES:
-        raise SchemaError("schema_error", f"unknown record type {record_type!r}")
-    versions: dict[int, Any] = {}
-    for path in AVRO_DIR.glob(f"{record_type}.v*.avsc"):
-        m = re.fullmatch(rf"{record_type}\.v(\d+)\.avsc", path.name)
-        if not m:
-            continue
-        version = int(m.group(1))
-        named: dict[str, Any] = {}
-        for dep in _DEPENDS.get(record_type, ()):
-            dep_schemas = _load(dep)
-            fastavro.parse_schema(
-                json.loads(_raw(dep, dep_schemas.latest_version)), named_schemas=named
-            )
-        versions[version] = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=named)
-    if not versions:
-        raise SchemaError("schema_error", f"no .avsc for {record_type!r} in {AVRO_DIR}")
-    return _Schemas(versions)
-
-
-def _raw(record_type: str, version: int) -> str:
-    return (AVRO_DIR / f"{record_type}.v{version}.avsc").read_text()
+DEFAULT = SchemaRegistry()
 
 
 def latest_version(record_type: str) -> int:
-    """Newest schema version of ``record_type`` (e.g. ``"span"``)."""
-    return _load(record_type).latest_version
+    """Newest schema version of ``record_type`` in ``schemas/avro``."""
+    return DEFAULT.latest_version(record_type)
 
 
 def encode(record_type: str, record: dict, version: int | None = None) -> bytes:
-    """Encode ``record`` as ``record_type`` (newest schema unless ``version``).
-
-    Returns header + Avro body. Raises :class:`SchemaError` (reason ``schema_error``)
-    when the record does not match the schema.
-    """
-    schemas = _load(record_type)
-    version = schemas.latest_version if version is None else version
-    record = {**record, "schema_version": version}
-    buf = io.BytesIO()
-    buf.write(_HEADER.pack(MAGIC, version))
-    try:
-        fastavro.schemaless_writer(buf, schemas.versions[version], record, strict_allow_default=True)
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
-        raise SchemaError("schema_error", f"{record_type} v{version}: {exc}") from exc
-    return buf.getvalue()
+    """Encode with the default registry (``schemas/avro``); see :meth:`SchemaRegistry.encode`."""
+    return DEFAULT.encode(record_type, record, version)
 
 
 def decode(record_type: str, data: bytes) -> dict:
-    """Decode bytes written by :func:`encode` into the newest schema of ``record_type``.
-
-    Raises :class:`SchemaError` with reason ``schema_error`` for a wrong header, an
-    unknown writer version or a body that does not parse.
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < _HEADER.size:
-        raise SchemaError("schema_error", "record shorter than the 3-byte header")
-    magic, version = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise SchemaError("schema_error", f"bad magic byte 0x{magic:02x}")
-    schemas = _load(record_type)
-    writer = schemas.versions.get(version)
-    if writer is None:
-        raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
-    buf = io.BytesIO(bytes(data[_HEADER.size:]))
-    try:
-        record = fastavro.schemaless_reader(buf, writer, schemas.versions[schemas.latest_version])
-    except Exception as exc:  # fastavro raises many types on corrupt input
-        raise SchemaError("schema_error", f"{record_type} v{version}: {type(exc).__name__}: {exc}") from exc
-    if buf.tell() != len(buf.getbuffer()):
-        raise SchemaError("schema_error", f"{record_type} v{version}: trailing bytes after record")
-    return record
+    """Decode with the default registry (``schemas/avro``); see :meth:`SchemaRegistry.decode`."""
+    return DEFAULT.decode(record_type, data)

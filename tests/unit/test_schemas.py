@@ -1,0 +1,108 @@
+"""Avro codec: round trips for every record type, schema errors, backward compatibility."""
+import json
+import math
+import shutil
+
+import pytest
+
+from schemas import codec
+from schemas.codec import SchemaError, SchemaRegistry, decode, encode
+from schemas import topics as T
+
+TRANSITION = {
+    "rollout_id": "r1", "attempt_id": "0", "span_id": "ab" * 8, "task_id": "t1", "group_size": 4,
+    "sequence_id": 3, "call_index": 1, "rollout_transition_count": 2, "agent_name": "math-agent",
+    "model": "policy", "policy_version": 2, "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5],
+    "behaviour_logprobs": [-0.5, -1.25], "episode_return": 1.0, "reward": 1.0, "credit_rule": "identical",
+    "status": "succeeded",
+}
+
+RECORDS = {
+    "span": {
+        "rollout_id": "r1", "attempt_id": "0", "sequence_id": 0, "trace_id": "0" * 32, "span_id": "1" * 16,
+        "parent_span_id": None, "name": "chat.completions", "kind": "llm", "source": "proxy",
+        "start_time_unix_nano": 1, "end_time_unix_nano": 2, "status_code": "OK", "agent_name": "a",
+        "attributes": {"gen_ai.request.model": "policy"},
+        "llm": {"model": "policy", "policy_version": 0, "prompt_token_ids": [1, 2], "completion_token_ids": [3],
+                "completion_logprobs": [-0.25], "temperature": 1.0, "top_p": 1.0, "max_tokens": 16,
+                "finish_reason": "stop", "request_id": "req-1"},
+        "payload_ref": None,
+    },
+    "reward": {"rollout_id": "r1", "attempt_id": "0", "value": 0.9, "final": True, "name": "reward",
+               "span_id": None, "timestamp_ms": 5, "components": {"correct": 1.0, "format": 0.0}},
+    "rollout": {"rollout_id": "r1", "attempt_id": "0", "task_id": "t1", "status": "succeeded", "group_size": 4,
+                "runner_id": "w", "timestamp_ms": 7, "error": None},
+    "task": {"task_id": "t1", "payload": json.dumps({"q": "1+1"}), "group_size": 4, "timeout_s": 30.0,
+             "created_ms": 1},
+    "transition": TRANSITION,
+    "sample": {"transition": TRANSITION, "advantage": 0.5, "group_id": "t1/0", "group_rollouts": 4,
+               "group_mean": 0.5, "group_std": 0.5},
+    "checkpoint": {"run": "default", "version": 1, "uri": "s3://b/default/000001/", "step": 1,
+                   "parent_version": 0, "manifest_sha256": "f" * 64, "created_ms": 9, "metrics": {"loss": 0.1}},
+    "dead_letter": {"reason": "schema_error", "detail": "x", "stage": "assembler", "source_topic": "spans",
+                    "source_partition": 0, "source_offset": 12, "rollout_id": None, "task_id": None,
+                    "payload": b"\x00\x01", "timestamp_ms": 3},
+}
+
+
+def _close(a, b):
+    """Equality with float32 tolerance (Avro 'float' fields)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
+@pytest.mark.parametrize("record_type", sorted(RECORDS))
+def test_round_trip(record_type):
+    data = encode(record_type, RECORDS[record_type])
+    assert data[0] == codec.MAGIC and data[1:3] == b"\x00\x01"
+    back = decode(record_type, data)
+    assert back["schema_version"] == 1
+    back.pop("schema_version")
+    if record_type == "sample":
+        assert back["transition"].pop("schema_version") == 1
+    assert _close(RECORDS[record_type], back)
+
+
+def test_every_topic_names_a_known_record():
+    for topic in T.ALL:
+        assert topic.record in codec.RECORD_NAMES
+        assert topic.config()["compression.type"] == "zstd"
+    assert len({t.name for t in T.ALL}) == len(T.ALL)
+
+
+def test_missing_required_field_is_schema_error():
+    bad = dict(RECORDS["reward"])
+    del bad["rollout_id"]
+    with pytest.raises(SchemaError) as err:
+        encode("reward", bad)
+    assert err.value.reason == "schema_error"
+
+
+@pytest.mark.parametrize("data", [b"", b"S", b"X\x00\x01abc", b"S\x00\x09abc", b"S\x00\x01\xff\xff\xff\xff\xff\xff"])
+def test_corrupt_bytes_are_schema_errors(data):
+    with pytest.raises(SchemaError):
+        decode("reward", data)
+
+
+def test_trailing_bytes_rejected():
+    with pytest.raises(SchemaError, match="trailing"):
+        decode("reward", encode("reward", RECORDS["reward"]) + b"\x00")
+
+
+def test_old_data_reads_with_a_newer_schema(tmp_path):
+    """Backward compatibility: a v2 that adds a defaulted field still reads v1 records."""
+    for f in codec.AVRO_DIR.glob("*.avsc"):
+        shutil.copy(f, tmp_path / f.name)
+    v2 = json.loads((tmp_path / "reward.v1.avsc").read_text())
+    v2["fields"].append({"name": "evaluator", "type": "string", "default": "unknown"})
+    (tmp_path / "reward.v2.avsc").write_text(json.dumps(v2))
+    old = SchemaRegistry(codec.AVRO_DIR).encode("reward", RECORDS["reward"])
+    new_registry = SchemaRegistry(tmp_path)
+    back = new_registry.decode("reward", old)
+    assert back["evaluator"] == "unknown" and back["value"] == 0.9 and back["schema_version"] == 1
+    assert new_registry.decode("reward", new_registry.encode("reward", {**RECORDS["reward"], "evaluator": "e"}))["evaluator"] == "e"
