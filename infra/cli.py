@@ -62,5 +62,59 @@ def stack_logs(name: str, lines: int = typer.Option(50, "-n")) -> None:
     console.print(Stack().tail(name, lines))
 
 
+def _up_or_exit(stack: Stack) -> None:
+    try:
+        with console.status("starting the stack") as st:
+            stack.up(progress=lambda n: st.update(f"starting {n} …"))
+    except StackError as exc:
+        console.print(f"[red]stack up failed[/red]: {exc}")
+        stack.down()
+        raise typer.Exit(1)
+
+
+@app.command()
+def test(
+    keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
+    pytest_args: list[str] = typer.Argument(None, help="extra pytest arguments"),
+) -> None:
+    """Start the stack, run unit and integration tests (pytest), stop the stack."""
+    import subprocess
+    import sys
+
+    stack = Stack()
+    _up_or_exit(stack)
+    try:
+        rc = subprocess.call([sys.executable, "-m", "pytest", "tests", "-ra", *(pytest_args or [])],
+                             env={**__import__("os").environ, **stack.service_env()})
+    finally:
+        if not keep_up:
+            stack.down()
+    raise typer.Exit(rc)
+
+
+@app.command()
+def demo(
+    iterations: int = typer.Option(4, help="tasks -> rollouts -> samples -> update -> reload cycles"),
+    tasks: int = typer.Option(4, help="tasks per iteration"),
+    group_size: int = typer.Option(4, help="rollouts per task (GRPO group)"),
+    out: str = typer.Option("results", help="where summary.json and reward_curve.png go"),
+    keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
+) -> None:
+    """The main job: a calculator math agent learns through Kafka, Faust, DeepSpeed, MinIO, vLLM."""
+    from pathlib import Path
+
+    from examples.math_agent.main_job import MainJobConfig, run_main_job
+
+    stack = Stack()
+    _up_or_exit(stack)
+    try:
+        summary = run_main_job(MainJobConfig(iterations=iterations, tasks_per_iteration=tasks,
+                                             group_size=group_size, out_dir=Path(out)), console=console)
+    finally:
+        if not keep_up:
+            stack.down()
+    console.print(f"[bold green]done[/bold green]: {summary['paths']}")
+
+
 if __name__ == "__main__":
     app()

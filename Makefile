@@ -1,0 +1,28 @@
+# spanrl: the two set-up commands (README.md) and helpers.
+# Everything heavy is installed once into $(CACHE) by infra/bootstrap.sh.
+CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
+PY := $(CACHE)/venv/bin/python
+export SPANRL_CACHE_DIR := $(CACHE)
+
+.PHONY: bootstrap demo test test-unit up down status
+
+bootstrap:
+	@bash infra/bootstrap.sh
+
+## Main job: start the stack, run the calculator math agent through the whole loop, stop.
+demo: bootstrap
+	$(PY) -m infra.cli demo $(ARGS)
+
+## Unit + integration tests against the real local stack (what .ci/run calls).
+test: bootstrap
+	$(PY) -m infra.cli test $(ARGS)
+
+test-unit: bootstrap
+	$(PY) -m pytest tests/unit -q
+
+up: bootstrap
+	$(PY) -m infra.cli stack up
+down:
+	$(PY) -m infra.cli stack down
+status:
+	$(PY) -m infra.cli stack status

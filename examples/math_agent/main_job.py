@@ -1,0 +1,278 @@
+"""The main job: a calculator math agent learns through the whole spanrl loop.
+
+One iteration (LightningRL training loop, arXiv 2508.03680 §3.4, run through Kafka):
+
+    tasks topic ─▶ Runner (this process) runs the AutoGen agent group_size times per task,
+    every LLM call through the proxy ─▶ spans; rewards; rollout lifecycle events
+    ─▶ Faust (stream worker): transitions (reward = R) ─▶ samples (GRPO advantages)
+    ─▶ trainer (DeepSpeed): update, checkpoint to MinIO, announcement on `checkpoints`
+    ─▶ reloader: vLLM reloads the new weights; the proxy stamps the new policy version.
+
+The job waits for each stage by reading the topics themselves (never by sleeping a
+guessed time), and writes ``results/summary.json`` and ``results/reward_curve.png``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from infra.settings import Settings, get_settings
+from schemas import decode
+from schemas import topics as T
+
+
+@dataclass
+class MainJobConfig:
+    """Size of the main job. ``stage_timeout_s`` bounds each wait (samples, checkpoint)."""
+
+    iterations: int = 4
+    tasks_per_iteration: int = 4
+    group_size: int = 4
+    task_pool: int = 8
+    seed: int = 0
+    concurrency: int = 8
+    rollout_timeout_s: float = 180.0
+    stage_timeout_s: float = 600.0
+    out_dir: Path = Path("results")
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    rollouts: int = 0
+    rollouts_failed: int = 0
+    transitions: int = 0
+    samples: int = 0
+    dead_letters: int = 0
+    dead_letter_reasons: dict = field(default_factory=dict)
+    mean_reward: float = 0.0
+    format_rate: float = 0.0
+    policy_versions_served: list = field(default_factory=list)
+    checkpoint_version: int | None = None
+    wall_s: float = 0.0
+
+
+class TopicReader:
+    """Reads topics from remembered end offsets on (read_committed), decoding Avro."""
+
+    def __init__(self, settings: Settings, topics: list[T.Topic]):
+        self.s = settings
+        self.topics = topics
+        self.consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.s.kafka_bootstrap, enable_auto_commit=False,
+                                         isolation_level="read_committed", auto_offset_reset="earliest")
+        await self.consumer.start()
+        parts = [TopicPartition(t.name, p) for t in self.topics for p in range(t.partitions)]
+        self.consumer.assign(parts)
+        ends = await self.consumer.end_offsets(parts)
+        for tp, off in ends.items():
+            self.consumer.seek(tp, off)
+
+    async def poll(self, timeout_ms: int = 500) -> list[tuple[str, dict]]:
+        batches = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=5000)
+        out = []
+        for tp, records in batches.items():
+            rec_type = T.BY_NAME[tp.topic].record
+            for r in records:
+                out.append((tp.topic, decode(rec_type, r.value)))
+        return out
+
+    async def stop(self) -> None:
+        if self.consumer:
+            await self.consumer.stop()
+
+
+def _served_version(s: Settings) -> int:
+    r = httpx.get(f"http://{s.host}:{s.reloader_port}/status", timeout=5)
+    r.raise_for_status()
+    return int(r.json().get("served_version") or 0)
+
+
+async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[dict], progress, bar) -> IterationResult:
+    from examples.math_agent.agent import math_agent
+    from producers.runner import Runner, publish_tasks
+
+    res = IterationResult(iteration=it)
+    t0 = time.monotonic()
+    reader = TopicReader(s, [T.ROLLOUTS, T.REWARDS, T.TRANSITIONS, T.SAMPLES, T.DEAD_LETTER, T.CHECKPOINTS])
+    await reader.start()
+    version_before = _served_version(s)
+    start = (it * cfg.tasks_per_iteration) % len(pool)
+    tasks = [pool[(start + i) % len(pool)] for i in range(cfg.tasks_per_iteration)]
+    now_ms = int(time.time() * 1000)
+    await publish_tasks([
+        {"task_id": t["task_id"], "payload": json.dumps(t), "group_size": cfg.group_size,
+         "timeout_s": cfg.rollout_timeout_s, "created_ms": now_ms} for t in tasks
+    ], settings=s)
+    n_rollouts = cfg.tasks_per_iteration * cfg.group_size
+    progress.update(bar, description=f"iter {it}: rollouts", total=n_rollouts, completed=0)
+
+    runner = Runner(math_agent, settings=s, concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
+                    group_id="spanrl-main-job")
+    ended: dict[str, str] = {}
+    rewards: dict[str, float] = {}
+    components: dict[str, dict] = {}
+    transitions: dict[str, list[dict]] = {}
+    samples: list[dict] = []
+    dead: list[dict] = []
+    checkpoint_version = None
+
+    def absorb(records):
+        nonlocal checkpoint_version
+        for topic, rec in records:
+            if topic == T.ROLLOUTS.name and rec["status"] != "started":
+                ended[rec["rollout_id"]] = rec["status"]
+            elif topic == T.REWARDS.name and rec["final"]:
+                rewards[rec["rollout_id"]] = rec["value"]
+                components[rec["rollout_id"]] = rec["components"]
+            elif topic == T.TRANSITIONS.name:
+                transitions.setdefault(rec["rollout_id"], []).append(rec)
+            elif topic == T.SAMPLES.name:
+                samples.append(rec)
+            elif topic == T.DEAD_LETTER.name:
+                dead.append(rec)
+            elif topic == T.CHECKPOINTS.name:
+                checkpoint_version = rec["version"]
+
+    run_task = asyncio.create_task(runner.run(max_tasks=cfg.tasks_per_iteration))
+    # Stage 1: rollouts end (runner) and every ended rollout is accounted for downstream.
+    deadline = time.monotonic() + cfg.stage_timeout_s
+    while time.monotonic() < deadline:
+        absorb(await reader.poll())
+        progress.update(bar, completed=len(ended))
+        ours = set(ended)
+        sampled = {x["transition"]["rollout_id"] for x in samples}
+        dead_ids = {d["rollout_id"] for d in dead if d.get("rollout_id")}
+        if run_task.done() and len(ours) >= n_rollouts and ours <= (sampled | dead_ids):
+            break
+        if run_task.done() and run_task.exception():
+            raise run_task.exception()
+    else:
+        progress.console.print(f"[yellow]iteration {it}: samples stage timed out[/yellow]")
+    await run_task
+    # Stage 2: the trainer publishes a checkpoint and the reloader serves it.
+    progress.update(bar, description=f"iter {it}: training + reload", total=None)
+    deadline = time.monotonic() + cfg.stage_timeout_s
+    while time.monotonic() < deadline:
+        absorb(await reader.poll())
+        if checkpoint_version is not None and _served_version(s) >= checkpoint_version > version_before:
+            break
+        if not samples:
+            break  # nothing to train on this iteration
+    await reader.stop()
+
+    res.rollouts = len(ended)
+    res.rollouts_failed = sum(1 for v in ended.values() if v != "succeeded")
+    res.transitions = sum(len(v) for v in transitions.values())
+    res.samples = len(samples)
+    res.dead_letters = len(dead)
+    for d in dead:
+        res.dead_letter_reasons[d["reason"]] = res.dead_letter_reasons.get(d["reason"], 0) + 1
+    vals = [rewards.get(r, 0.0) for r in ended]
+    res.mean_reward = sum(vals) / len(vals) if vals else 0.0
+    res.format_rate = (sum(1 for r in ended if components.get(r, {}).get("format", 0) > 0) / len(ended)) if ended else 0.0
+    res.policy_versions_served = sorted({t["policy_version"] for v in transitions.values() for t in v})
+    res.checkpoint_version = checkpoint_version
+    res.wall_s = round(time.monotonic() - t0, 1)
+    res._samples = samples  # kept for the log-prob check, not serialised
+    return res
+
+
+def _logprob_under_served(s: Settings, prompt_ids: list[int], completion_ids: list[int]) -> float:
+    """Sum of log p(completion | prompt) under the policy vLLM serves now (prompt_logprobs)."""
+    r = httpx.post(f"{s.vllm_url}/v1/completions", timeout=120, json={
+        "model": s.model_name, "prompt": prompt_ids + completion_ids, "max_tokens": 1,
+        "prompt_logprobs": 0, "temperature": 0.0})
+    r.raise_for_status()
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    total = 0.0
+    for pos, tok in enumerate(completion_ids, start=len(prompt_ids)):
+        entry = plp[pos]
+        total += float(entry[str(tok)]["logprob"])
+    return total
+
+
+def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: Console | None = None) -> dict:
+    """Run ``cfg.iterations`` iterations; write summary.json and reward_curve.png; return the summary."""
+    from examples.math_agent.tasks import load_tasks
+
+    s = settings or get_settings()
+    console = console or Console()
+    pool = load_tasks(seed=cfg.seed, size=cfg.task_pool)
+    results: list[IterationResult] = []
+    t_start = time.monotonic()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        bar = progress.add_task("starting", total=None)
+        for it in range(cfg.iterations):
+            res = asyncio.run(_run_iteration(it, cfg, s, pool, progress, bar))
+            results.append(res)
+            progress.console.print(
+                f"iter {it}: rollouts={res.rollouts} transitions={res.transitions} samples={res.samples} "
+                f"dead={res.dead_letters} reward={res.mean_reward:.3f} format={res.format_rate:.2f} "
+                f"served={res.policy_versions_served} -> checkpoint v{res.checkpoint_version} ({res.wall_s}s)")
+
+    # Did the served policy change? Mean per-token log-prob of iteration 0's completions
+    # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
+    shift = {}
+    first = [x for x in results[0]._samples if x["transition"]["completion_token_ids"]]
+    for sign, keep in (("positive", lambda a: a > 0), ("negative", lambda a: a < 0)):
+        chosen = [x for x in first if keep(x["advantage"])][:8]
+        if not chosen:
+            continue
+        n_tok = sum(len(x["transition"]["completion_token_ids"]) for x in chosen)
+        before = sum(sum(x["transition"]["behaviour_logprobs"]) for x in chosen) / n_tok
+        after = sum(_logprob_under_served(s, x["transition"]["prompt_token_ids"],
+                                          x["transition"]["completion_token_ids"]) for x in chosen) / n_tok
+        shift[sign] = {"completions": len(chosen), "tokens": n_tok, "mean_logprob_behaviour": before,
+                       "mean_logprob_final": after, "delta": after - before}
+
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
+        "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
+        "final_served_version": _served_version(s),
+        "logprob_shift_of_iteration0_completions": shift,
+        "wall_s": round(time.monotonic() - t_start, 1),
+        "paths": {"summary": str(out / "summary.json"), "reward_curve": str(out / "reward_curve.png")},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(results, out / "reward_curve.png")
+    return summary
+
+
+def _plot(results: list[IterationResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r.iteration for r in results]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, [r.mean_reward for r in results], marker="o", label="mean reward")
+    ax.plot(xs, [r.format_rate for r in results], marker="s", linestyle="--", label="answer-format rate")
+    for r in results:
+        ax.annotate(f"v{r.policy_versions_served[-1] if r.policy_versions_served else '?'}",
+                    (r.iteration, r.mean_reward), textcoords="offset points", xytext=(0, 6), fontsize=8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_title("spanrl main job: calculator math agent (gsm_symbolic)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

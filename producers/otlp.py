@@ -1,0 +1,201 @@
+"""Pure conversion: OTLP/HTTP protobuf request -> spanrl Span / Reward / dead-letter records.
+
+No I/O here; :mod:`producers.bridge` does the HTTP and Kafka plumbing.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import zlib
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
+
+from producers import instrument as keys
+
+
+class OtlpError(ValueError):
+    """The request body cannot be used; ``status`` is the HTTP code to answer."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+@dataclass
+class Converted:
+    """One span's outcome: a Span record (and Reward), or a dead-letter reason."""
+
+    rollout_id: str | None
+    span: dict | None = None
+    reward: dict | None = None
+    dead_reason: str | None = None
+    dead_detail: str = ""
+    raw: bytes = b""  # the protobuf Span, kept for the dead-letter payload
+
+
+def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 8 << 20) -> ExportTraceServiceRequest:
+    """Decode an OTLP/HTTP protobuf body. Raises only :class:`OtlpError` (400/413/415)."""
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "gzip":
+        body = _gunzip(body, max_bytes)
+    elif encoding not in ("", "identity"):
+        raise OtlpError(415, f"unsupported Content-Encoding {content_encoding!r} (gzip or identity)")
+    if not body:
+        raise OtlpError(400, "empty body")
+    request = ExportTraceServiceRequest()
+    try:
+        consumed = request.ParseFromString(body)
+    except (DecodeError, RuntimeError, ValueError, TypeError) as exc:
+        raise OtlpError(400, f"not an ExportTraceServiceRequest: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the C/upb parser may raise anything on garbage
+        raise OtlpError(400, f"not an ExportTraceServiceRequest: {type(exc).__name__}: {exc}") from exc
+    if consumed is not None and consumed != len(body):
+        raise OtlpError(400, "trailing bytes after ExportTraceServiceRequest")
+    return request
+
+
+def _gunzip(body: bytes, max_bytes: int) -> bytes:
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise OtlpError(400, f"bad gzip body: {exc}") from exc
+    if len(out) > max_bytes:
+        raise OtlpError(413, f"decompressed body over {max_bytes} bytes")
+    if not d.eof:
+        raise OtlpError(400, "truncated gzip body")
+    return out
+
+
+def any_value(v: AnyValue) -> object:
+    """An OTLP AnyValue as a plain Python value (bytes as base64 text)."""
+    which = v.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [any_value(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+    if which == "bytes_value":
+        return base64.b64encode(v.bytes_value).decode()
+    return getattr(v, which)
+
+
+def stringify(value: object) -> str:
+    """Attribute value for the Span record: strings as is, anything else JSON (NaN as NaN)."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def span_kind(name: str, attrs: dict[str, object]) -> str:
+    """llm | tool | reward | agent | other, from the span name and gen_ai.* attributes."""
+    lname = name.lower()
+    op = str(attrs.get("gen_ai.operation.name", ""))
+    if name == keys.REWARD_SPAN:
+        return "reward"
+    if op == "execute_tool" or lname.startswith("tool") or any(k.startswith("gen_ai.tool.") for k in attrs):
+        return "tool"
+    if op in ("invoke_agent", "create_agent") or lname.startswith("agent"):
+        return "agent"
+    if lname.startswith(("chat", "llm")) or any(k.startswith("gen_ai.") for k in attrs):
+        return "llm"
+    return "other"
+
+
+_STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+
+
+def _as_int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
+    """One OTLP span -> Span record (+ Reward for a reward span) or a dead-letter reason."""
+    attrs = {kv.key: any_value(kv.value) for kv in pb.attributes}
+    raw = pb.SerializeToString()
+
+    def lookup(key: str) -> object:
+        return attrs.get(key, resource_attrs.get(key))
+
+    rollout_id = lookup(keys.ROLLOUT_ID)
+    if not isinstance(rollout_id, str) or not rollout_id:
+        return Converted(None, dead_reason="no_rollout_id",
+                         dead_detail=f"span {pb.name!r} has no {keys.ROLLOUT_ID} attribute", raw=raw)
+    attempt = lookup(keys.ATTEMPT_ID)
+    attempt_id = "0" if attempt is None else (attempt if isinstance(attempt, str) else stringify(attempt))
+    seq = _as_int(lookup(keys.SEQUENCE_ID))
+    agent = lookup(keys.AGENT_NAME) or attrs.get("gen_ai.agent.name")
+    kind = span_kind(pb.name, attrs)
+    span = {
+        "rollout_id": rollout_id,
+        "attempt_id": attempt_id,
+        "sequence_id": -1 if seq is None else seq,
+        "trace_id": pb.trace_id.hex(),
+        "span_id": pb.span_id.hex(),
+        "parent_span_id": pb.parent_span_id.hex() or None,
+        "name": pb.name,
+        "kind": kind,
+        "source": "otlp",
+        "start_time_unix_nano": pb.start_time_unix_nano,
+        "end_time_unix_nano": pb.end_time_unix_nano,
+        "status_code": _STATUS.get(pb.status.code, "UNSET"),
+        "agent_name": agent if isinstance(agent, str) else None,
+        "attributes": {k: stringify(v) for k, v in attrs.items()},
+        "llm": None,
+        "payload_ref": None,
+    }
+    out = Converted(rollout_id, span=span, raw=raw)
+    if kind == "reward":
+        try:
+            out.reward = reward_from_attrs(rollout_id, attempt_id, attrs, pb.end_time_unix_nano or pb.start_time_unix_nano)
+        except ValueError as exc:
+            return Converted(rollout_id, dead_reason="invalid_reward", dead_detail=str(exc), raw=raw)
+    return out
+
+
+def _finite(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def reward_from_attrs(rollout_id: str, attempt_id: str, attrs: dict[str, object], time_unix_nano: int) -> dict:
+    """Reward record from a ``spanrl.reward`` span's attributes; ValueError if unusable."""
+    if keys.REWARD_VALUE not in attrs:
+        raise ValueError(f"reward span without {keys.REWARD_VALUE}")
+    final = attrs.get(keys.REWARD_FINAL, True)
+    name = attrs.get(keys.REWARD_NAME, "reward")
+    span_id = attrs.get(keys.REWARD_SPAN_ID)
+    return {
+        "rollout_id": rollout_id,
+        "attempt_id": attempt_id,
+        "value": _finite(attrs[keys.REWARD_VALUE], keys.REWARD_VALUE),
+        "final": final if isinstance(final, bool) else str(final).lower() == "true",
+        "name": name if isinstance(name, str) else stringify(name),
+        "span_id": span_id if isinstance(span_id, str) else None,
+        "timestamp_ms": time_unix_nano // 1_000_000,
+        "components": {k[len(keys.REWARD_COMPONENT):]: _finite(v, k)
+                       for k, v in attrs.items() if k.startswith(keys.REWARD_COMPONENT)},
+    }
+
+
+def convert_request(request: ExportTraceServiceRequest) -> list[Converted]:
+    """Every span of the request, in order."""
+    out: list[Converted] = []
+    for rs in request.resource_spans:
+        resource_attrs = {kv.key: any_value(kv.value) for kv in rs.resource.attributes}
+        for ss in rs.scope_spans:
+            for pb in ss.spans:
+                out.append(convert_span(pb, resource_attrs))
+    return out

@@ -1,0 +1,54 @@
+"""Dead-letter reason codes of the stream jobs and the record builder.
+
+A dead-letter record (schemas/avro/dead_letter.v1.avsc) says what could not be used
+and why; nothing is dropped silently.
+"""
+from __future__ import annotations
+
+# --- assembler (stage "assembler") ---
+SCHEMA_ERROR = "schema_error"                  # input bytes did not decode
+MISSING_TOKEN_IDS = "missing_token_ids"        # llm span without `llm` or with no completion ids
+LOGPROBS_MISMATCH = "logprobs_mismatch"        # completion_logprobs not one per completion token
+INVALID_REWARD = "invalid_reward"              # reward value NaN or infinite
+NO_LLM_CALLS = "no_llm_calls"                  # ended rollout with a reward but no selected call
+NO_REWARD_BEFORE_TIMEOUT = "no_reward_before_timeout"   # succeeded, no final reward in time
+ROLLOUT_FAILED_NO_REWARD = "rollout_failed_no_reward"   # failed/timeout, no final reward in time
+ROLLOUT_TIMEOUT = "rollout_timeout"            # no terminal lifecycle event in time
+LATE_SPAN = "late_span"                        # llm call of an attempt already emitted/dead-lettered
+LATE_REWARD = "late_reward"                    # reward for an attempt already emitted/dead-lettered
+# --- grouper (stage "grouper") ---
+GROUP_INCOMPLETE = "group_incomplete"          # rollout still incomplete when its group closed
+SUPERSEDED_ATTEMPT = "superseded_attempt"      # another attempt of the same rollout is in the group
+GROUP_CLOSED = "group_closed"                  # transition of a rollout whose group already closed
+
+ASSEMBLER = "assembler"
+GROUPER = "grouper"
+
+
+def dead_letter(
+    reason: str,
+    stage: str,
+    now_ms: int,
+    *,
+    detail: str = "",
+    rollout_id: str | None = None,
+    task_id: str | None = None,
+    payload: bytes | None = None,
+    source_topic: str | None = None,
+    source_partition: int | None = None,
+    source_offset: int | None = None,
+) -> dict:
+    """A DeadLetter record dict (schemas/avro/dead_letter.v1.avsc)."""
+    return {
+        "schema_version": 1,
+        "reason": reason,
+        "detail": detail,
+        "stage": stage,
+        "source_topic": source_topic,
+        "source_partition": source_partition,
+        "source_offset": source_offset,
+        "rollout_id": rollout_id,
+        "task_id": task_id,
+        "payload": payload,
+        "timestamp_ms": int(now_ms),
+    }
