@@ -1,8 +1,6 @@
 """What attaches to agents: OTel setup, the OTLP bridge, the LLM proxy, rewards, the runner.
 
-Agents import only :mod:`producers.instrument` (cheap); the services are run as
-``python -m producers.bridge`` / ``python -m producers.proxy`` and the runner from code.
+Agents use :mod:`producers.instrument` (``instrument``, ``rollout_context``,
+``emit_reward``, ``flush``); the services run as ``python -m producers.bridge`` and
+``python -m producers.proxy``; :mod:`producers.runner` runs agents on tasks.
 """
-from producers.instrument import emit_reward, flush, instrument, rollout_context
-
-__all__ = ["emit_reward", "flush", "instrument", "rollout_context"]

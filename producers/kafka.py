@@ -151,3 +151,18 @@ async def create_topics(bootstrap: str, wanted: tuple[Topic, ...]) -> None:
             await admin.create_topics(new)
     finally:
         await admin.close()
+
+
+async def delete_topics(bootstrap: str, names: list[str]) -> None:
+    """Delete topics by name (test cleanup)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        doomed = [n for n in names if n in existing]
+        if doomed:
+            await admin.delete_topics(doomed)
+    finally:
+        await admin.close()

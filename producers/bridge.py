@@ -1,0 +1,176 @@
+"""OTLP/HTTP receiver: agent spans in, Avro Span/Reward/DeadLetter records to Kafka out.
+
+    python -m producers.bridge [--port P] [--topic-prefix X] [--max-body-bytes N]
+
+Promise: a client that got a 2xx finds its spans in Kafka (we answer only after the
+broker acknowledged every record). Spans that cannot be used go to dead-letter with a
+reason code and are reported back as ``partial_success.rejected_spans``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from collections import Counter
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTracePartialSuccess,
+    ExportTraceServiceResponse,
+)
+from pydantic import BaseModel, Field
+
+from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
+from producers.otlp import Converted, OtlpError, convert_request, decode_request
+from schemas import codec
+
+log = logging.getLogger("spanrl.bridge")
+PROTOBUF = "application/x-protobuf"
+DEFAULT_MAX_BODY = int(os.environ.get("SPANRL_BRIDGE_MAX_BODY_BYTES", 8 << 20))
+RETRY_AFTER_S = "5"
+
+
+class RewardIn(BaseModel):
+    """POST /v1/rewards body: a reward from an evaluator that is not OTel-instrumented."""
+
+    rollout_id: str = Field(min_length=1)
+    attempt_id: str = "0"
+    value: float
+    final: bool = True
+    name: str = "reward"
+    span_id: str | None = None
+    timestamp_ms: int | None = None
+    components: dict[str, float] = {}
+
+
+def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
+    return {"reason": c.dead_reason, "detail": c.dead_detail, "stage": stage, "source_topic": None,
+            "source_partition": None, "source_offset": None, "rollout_id": c.rollout_id,
+            "task_id": None, "payload": c.raw, "timestamp_ms": now_ms()}
+
+
+def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+    metrics: Counter[str] = Counter()
+    topics: Topics = sink.topics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            await sink.start()
+        except KafkaUnavailable as exc:  # keep serving; requests answer 503 until Kafka is back
+            log.warning("%s", exc)
+        yield
+        await sink.stop()
+
+    app = FastAPI(title="spanrl OTLP bridge", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    def unavailable(exc: Exception) -> Response:
+        metrics["kafka_unavailable"] += 1
+        return JSONResponse({"error": "kafka_unavailable", "detail": str(exc)}, 503,
+                            headers={"Retry-After": RETRY_AFTER_S})
+
+    def error(status: int, detail: str) -> Response:
+        metrics[f"http_{status}"] += 1
+        return JSONResponse({"error": detail}, status)
+
+    @app.post("/v1/traces")
+    async def traces(request: Request) -> Response:
+        metrics["requests"] += 1
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != PROTOBUF:
+            return error(415, f"Content-Type must be {PROTOBUF} (OTLP/HTTP protobuf), got {ctype!r}")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > max_body_bytes:
+            return error(413, f"body over {max_body_bytes} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                return error(413, f"body over {max_body_bytes} bytes")
+        try:
+            req = decode_request(bytes(body), request.headers.get("content-encoding"), max_body_bytes)
+        except OtlpError as exc:
+            return error(exc.status, exc.detail)
+
+        items: list[tuple] = []
+        rejected: Counter[str] = Counter()
+        for c in convert_request(req):
+            if c.span is not None:
+                try:
+                    value = codec.encode(topics.spans.record, c.span)
+                    if len(value) > topics.spans.max_message_bytes:
+                        c = Converted(c.rollout_id, dead_reason="oversize", raw=b"",
+                                      dead_detail=f"span record {len(value)} bytes > {topics.spans.max_message_bytes}")
+                    else:
+                        items.append((topics.spans, c.rollout_id, value))
+                        if c.reward is not None:
+                            items.append((topics.rewards, c.rollout_id, codec.encode(topics.rewards.record, c.reward)))
+                except codec.SchemaError as exc:
+                    c = Converted(c.rollout_id, dead_reason=exc.reason, dead_detail=exc.detail, raw=c.raw)
+            if c.dead_reason is not None:
+                rejected[c.dead_reason] += 1
+                items.append((topics.dead_letter, c.rollout_id, codec.encode(topics.dead_letter.record, _dead_letter(c))))
+        try:
+            await sink.produce_raw(items)
+        except KafkaUnavailable as exc:
+            return unavailable(exc)
+        n_spans = sum(1 for t, _, _ in items if t is topics.spans)
+        metrics["spans"] += n_spans
+        metrics["rewards"] += sum(1 for t, _, _ in items if t is topics.rewards)
+        for reason, n in rejected.items():
+            metrics[f"dead_letter.{reason}"] += n
+        resp = ExportTraceServiceResponse()
+        if rejected:
+            resp.partial_success.CopyFrom(ExportTracePartialSuccess(
+                rejected_spans=sum(rejected.values()),
+                error_message="dead-lettered: " + ", ".join(f"{k}={v}" for k, v in sorted(rejected.items()))))
+        return Response(resp.SerializeToString(), 200, media_type=PROTOBUF)
+
+    @app.post("/v1/rewards")
+    async def rewards(reward: RewardIn) -> Response:
+        if not math.isfinite(reward.value) or not all(math.isfinite(v) for v in reward.components.values()):
+            return error(400, "invalid_reward: value and components must be finite")
+        record = reward.model_dump()
+        record["timestamp_ms"] = reward.timestamp_ms or now_ms()
+        try:
+            await sink.produce([(topics.rewards, reward.rollout_id, record)])
+        except KafkaUnavailable as exc:
+            return unavailable(exc)
+        metrics["rewards"] += 1
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "kafka_producer_started": sink.started}
+
+    @app.get("/metrics")
+    async def get_metrics() -> dict:
+        return dict(metrics)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    from infra.settings import get_settings
+
+    s = get_settings()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=s.host)
+    p.add_argument("--port", type=int, default=s.bridge_port)
+    p.add_argument("--kafka-bootstrap", default=s.kafka_bootstrap)
+    p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
+    app = create_app(Sink(a.kafka_bootstrap, topics), a.max_body_bytes)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Runner: takes tasks from Kafka, runs the agent ``group_size`` times per task.
+
+Each attempt gets a fresh ``rollout_id`` and publishes its lifecycle on ``rollouts``
+(``started``, then ``succeeded | failed | timeout``). The agent callable receives a
+:class:`RolloutContext` whose ``base_url`` is the proxy's per-rollout OpenAI URL, and
+runs inside :func:`producers.instrument.rollout_context`, so its OTel spans are stamped.
+A task's offset is committed only after all its attempts published a terminal event.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from producers import instrument
+from producers.kafka import Sink, Topics, now_ms
+from schemas import codec
+
+log = logging.getLogger("spanrl.runner")
+
+
+@dataclass
+class RolloutContext:
+    """What the agent callable gets for one attempt."""
+
+    task: dict          # the task payload (parsed JSON)
+    task_id: str
+    rollout_id: str
+    attempt_id: str
+    base_url: str       # OpenAI base URL through the proxy for this attempt
+    rewards: list[dict] = field(default_factory=list)
+
+    def emit_reward(self, value: float, final: bool = True, name: str = "reward",
+                    span_id: str | None = None, **components: float) -> None:
+        """Record a reward; the runner produces it to ``rewards`` before the terminal event."""
+        instrument.check_reward(value, components)
+        self.rewards.append({
+            "rollout_id": self.rollout_id, "attempt_id": self.attempt_id, "value": float(value),
+            "final": bool(final), "name": name, "span_id": span_id, "timestamp_ms": now_ms(),
+            "components": {k: float(v) for k, v in components.items()},
+        })
+
+
+@dataclass
+class AttemptResult:
+    task_id: str
+    rollout_id: str
+    attempt_id: str
+    status: str                     # succeeded | failed | timeout
+    error: str | None = None
+    result: Any = None
+
+
+def make_task(payload: Any, group_size: int = 4, task_id: str | None = None, timeout_s: float = 120.0) -> dict:
+    """A Task record (payload dicts are JSON-encoded)."""
+    return {"task_id": task_id or uuid.uuid4().hex,
+            "payload": payload if isinstance(payload, str) else json.dumps(payload),
+            "group_size": group_size, "timeout_s": timeout_s, "created_ms": now_ms()}
+
+
+async def publish_tasks(tasks: list[dict], bootstrap: str | None = None, topics: Topics | None = None,
+                        settings=None) -> list[str]:
+    """Produce Task records (see :func:`make_task`; missing fields filled) keyed by task_id.
+
+    ``bootstrap`` defaults to ``settings.kafka_bootstrap`` (``settings``: infra Settings,
+    default ``get_settings()``)."""
+    if bootstrap is None:
+        from infra.settings import get_settings
+
+        bootstrap = (settings or get_settings()).kafka_bootstrap
+    sink = Sink(bootstrap, topics)
+    records = [{**make_task(t.get("payload", "{}"), t.get("group_size", 4), t.get("task_id"),
+                            t.get("timeout_s", 120.0)), **t} for t in tasks]
+    try:
+        await sink.produce([(sink.topics.tasks, r["task_id"], r) for r in records])
+    finally:
+        await sink.stop()
+    return [r["task_id"] for r in records]
+
+
+class _OffsetTracker:
+    """Commit offset per partition = one past the longest prefix of finished tasks."""
+
+    def __init__(self) -> None:
+        self.pending: dict[TopicPartition, list[int]] = {}
+        self.done: dict[TopicPartition, set[int]] = {}
+
+    def start(self, tp: TopicPartition, offset: int) -> None:
+        self.pending.setdefault(tp, []).append(offset)
+
+    def finish(self, tp: TopicPartition, offset: int) -> int | None:
+        self.done.setdefault(tp, set()).add(offset)
+        commit = None
+        pend = self.pending[tp]
+        while pend and pend[0] in self.done[tp]:
+            self.done[tp].discard(pend[0])
+            commit = pend.pop(0) + 1
+        return commit
+
+
+class Runner:
+    """Runs ``agent(ctx)`` (sync in a thread, or async) for every task of the tasks topic."""
+
+    def __init__(self, agent: Callable[[RolloutContext], Any], group_size_default: int = 4,
+                 timeout_s: float | None = None, concurrency: int = 8, group_id: str = "spanrl-runners",
+                 bootstrap: str | None = None, proxy_url: str | None = None, topics: Topics | None = None,
+                 runner_id: str | None = None, settings=None):
+        from infra.settings import get_settings
+
+        s = settings or get_settings()
+        self.agent = agent
+        self.group_size_default = group_size_default
+        self.timeout_s = timeout_s  # None: the task's timeout_s
+        self.concurrency = concurrency
+        self.group_id = group_id
+        self.bootstrap = bootstrap or s.kafka_bootstrap
+        self.proxy_url = (proxy_url or s.proxy_url).rstrip("/")
+        self.topics = topics or Topics.from_env()
+        self.runner_id = runner_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.sink = Sink(self.bootstrap, self.topics)
+        self._slots = asyncio.Semaphore(concurrency)
+
+    # ---- one attempt
+    def _event(self, ctx: RolloutContext, status: str, group_size: int, error: str | None = None) -> dict:
+        return {"rollout_id": ctx.rollout_id, "attempt_id": ctx.attempt_id, "task_id": ctx.task_id,
+                "status": status, "group_size": group_size, "runner_id": self.runner_id,
+                "timestamp_ms": now_ms(), "error": error}
+
+    async def run_attempt(self, task: dict) -> AttemptResult:
+        rollout_id, attempt_id = uuid.uuid4().hex, "0"
+        group_size = int(task.get("group_size") or self.group_size_default)
+        timeout = self.timeout_s if self.timeout_s is not None else float(task.get("timeout_s") or 120.0)
+        try:
+            payload = json.loads(task["payload"]) if task.get("payload") else {}
+        except ValueError:
+            payload = {"text": task["payload"]}
+        ctx = RolloutContext(payload, task["task_id"], rollout_id, attempt_id,
+                             f"{self.proxy_url}/rollouts/{rollout_id}/attempts/{attempt_id}/v1")
+        async with self._slots:
+            await self.sink.produce([(self.topics.rollouts, rollout_id, self._event(ctx, "started", group_size))])
+            status, error, result = "succeeded", None, None
+            try:
+                with instrument.rollout_context(rollout_id, attempt_id):
+                    if inspect.iscoroutinefunction(self.agent):
+                        coro = self.agent(ctx)
+                    else:  # to_thread copies the context, so the thread's spans are stamped too
+                        coro = asyncio.to_thread(self.agent, ctx)
+                    result = await asyncio.wait_for(coro, timeout)
+                if isinstance(result, (int, float)) and not isinstance(result, bool):
+                    ctx.emit_reward(float(result), final=True)
+            except asyncio.TimeoutError:
+                status, error = "timeout", f"attempt exceeded {timeout}s"
+            except Exception as exc:  # noqa: BLE001 - the agent's failure is data
+                status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
+            await asyncio.to_thread(instrument.flush)
+            items = [(self.topics.rewards, rollout_id, r) for r in ctx.rewards]
+            items.append((self.topics.rollouts, rollout_id, self._event(ctx, status, group_size, error)))
+            await self.sink.produce(items)
+        log.info("task %s rollout %s: %s%s", ctx.task_id, rollout_id, status, f" ({error})" if error else "")
+        return AttemptResult(ctx.task_id, rollout_id, attempt_id, status, error, result)
+
+    async def run_task(self, task: dict) -> list[AttemptResult]:
+        n = int(task.get("group_size") or self.group_size_default)
+        return list(await asyncio.gather(*(self.run_attempt(task) for _ in range(n))))
+
+    async def run_tasks(self, tasks: list[dict]) -> list[list[AttemptResult]]:
+        """Run a fixed batch of Task dicts directly (no tasks topic, no consumer group)."""
+        try:
+            return list(await asyncio.gather(*(self.run_task({**make_task("{}"), **t}) for t in tasks)))
+        finally:
+            await self.sink.stop()
+
+    # ---- the consumer loop
+    async def run(self, max_tasks: int | None = None, stop_event: asyncio.Event | None = None,
+                  idle_timeout_s: float | None = None) -> list[list[AttemptResult]]:
+        """Consume tasks until ``max_tasks`` are done, ``stop_event`` is set or no task came
+        for ``idle_timeout_s``; in-flight tasks are finished and committed before returning."""
+        consumer = AIOKafkaConsumer(self.topics.tasks.name, bootstrap_servers=self.bootstrap,
+                                    group_id=self.group_id, enable_auto_commit=False,
+                                    auto_offset_reset="earliest")
+        await consumer.start()
+        tracker, results, inflight = _OffsetTracker(), [], set()
+        task_slots = asyncio.Semaphore(max(1, self.concurrency))
+        commit_lock = asyncio.Lock()
+        started = 0
+        stop_event = stop_event or asyncio.Event()
+        last_msg = time.monotonic()
+
+        async def handle(msg) -> None:
+            tp = TopicPartition(msg.topic, msg.partition)
+            try:
+                try:
+                    task = codec.decode(self.topics.tasks.record, msg.value)
+                except codec.SchemaError as exc:
+                    await self.sink.produce([(self.topics.dead_letter, None, {
+                        "reason": exc.reason, "detail": exc.detail, "stage": "runner",
+                        "source_topic": msg.topic, "source_partition": msg.partition, "source_offset": msg.offset,
+                        "rollout_id": None, "task_id": msg.key.decode(errors="replace") if msg.key else None,
+                        "payload": msg.value, "timestamp_ms": now_ms()})])
+                else:
+                    results.append(await self.run_task(task))
+                async with commit_lock:
+                    commit = tracker.finish(tp, msg.offset)
+                    if commit is not None:
+                        await consumer.commit({tp: commit})
+            finally:
+                task_slots.release()
+
+        try:
+            while not stop_event.is_set() and (max_tasks is None or started < max_tasks):
+                await task_slots.acquire()
+                batch = await consumer.getmany(timeout_ms=500, max_records=1)
+                msgs = [m for ms in batch.values() for m in ms]
+                if not msgs:
+                    task_slots.release()
+                    if idle_timeout_s is not None and time.monotonic() - last_msg > idle_timeout_s:
+                        break
+                    continue
+                last_msg = time.monotonic()
+                msg = msgs[0]
+                tracker.start(TopicPartition(msg.topic, msg.partition), msg.offset)
+                started += 1
+                t = asyncio.create_task(handle(msg))
+                inflight.add(t)
+                t.add_done_callback(inflight.discard)
+            if inflight:
+                await asyncio.gather(*inflight)
+        finally:
+            await consumer.stop()
+            await self.sink.stop()
+        return results

@@ -1,0 +1,368 @@
+"""Bridge, proxy and runner against the real Kafka and vLLM (``spanrl stack up``).
+
+Bridge and proxy run as subprocesses (``python -m producers.bridge|proxy``) on free
+ports, writing to unique ``prtest-<id>-*`` topics created from ``Topic.config()``.
+"""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from infra.settings import get_settings
+from producers import instrument as inst
+from producers.kafka import Topics, create_topics, delete_topics
+from producers.runner import Runner, publish_tasks
+from schemas import codec
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+S = get_settings()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((S.host, 0))
+        return s.getsockname()[1]
+
+
+def start_service(module: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT)
+    url = f"http://{S.host}:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{module} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{module} did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    try:
+        ok = httpx.get(S.vllm_url + "/health", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    if not ok:
+        pytest.skip(f"vLLM not healthy at {S.vllm_url}")
+    prefix = f"prtest-{uuid.uuid4().hex[:8]}-"
+    topics = Topics.with_prefix(prefix)
+    asyncio.run(create_topics(S.kafka_bootstrap, topics.all()))
+    procs = []
+    try:
+        bridge, bridge_url = start_service("producers.bridge", "--topic-prefix", prefix, "--max-body-bytes", "100000")
+        procs.append(bridge)
+        proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", prefix)
+        procs.append(proxy)
+        yield {"topics": topics, "bridge": bridge_url, "proxy": proxy_url}
+    finally:
+        for p in procs:
+            stop(p)
+        asyncio.run(_cleanup(prefix))
+
+
+async def _cleanup(prefix: str) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=S.kafka_bootstrap)
+    await admin.start()
+    try:
+        names = [n for n in await admin.list_topics() if n.startswith(prefix)]
+    finally:
+        await admin.close()
+    await delete_topics(S.kafka_bootstrap, names)
+
+
+def read_topic(topic, want, timeout_s: float = 20.0) -> list[tuple[str | None, dict]]:
+    """All (key, record) of ``topic`` from the beginning until ``want(records)`` or timeout."""
+
+    async def go():
+        c = AIOKafkaConsumer(bootstrap_servers=S.kafka_bootstrap, enable_auto_commit=False)
+        await c.start()
+        try:
+            tps = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+            c.assign(tps)
+            await c.seek_to_beginning(*tps)
+            out: list = []
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not want(out):
+                for msgs in (await c.getmany(timeout_ms=300)).values():
+                    out += [(m.key.decode() if m.key else None, codec.decode(topic.record, m.value)) for m in msgs]
+            return out
+        finally:
+            await c.stop()
+
+    return asyncio.run(go())
+
+
+def of_rollout(records, rid):
+    return [r for k, r in records if r.get("rollout_id") == rid]
+
+
+# --------------------------------------------------------------------- bridge
+def test_otel_spans_and_reward_reach_kafka(stack):
+    topics = stack["topics"]
+    provider = inst.instrument("itest-agent", stack["bridge"], set_global=False)
+    tracer = provider.get_tracer("itest")
+    rid = uuid.uuid4().hex
+    with inst.rollout_context(rid, "0", agent_name="solver"):
+        with tracer.start_as_current_span("tool.search", attributes={"gen_ai.tool.name": "search", "hits": 3}):
+            pass
+        inst.emit_reward(0.8, format=1.0)
+    with tracer.start_as_current_span("orphan"):
+        pass
+    assert inst.flush()
+    provider.shutdown()
+
+    # the exporter got 2xx, so everything is already in Kafka
+    spans = of_rollout(read_topic(topics.spans, lambda rs: len(of_rollout(rs, rid)) >= 2, 5), rid)
+    assert sorted((s["sequence_id"], s["name"], s["kind"]) for s in spans) == [
+        (0, "tool.search", "tool"), (1, "spanrl.reward", "reward")]
+    tool = next(s for s in spans if s["kind"] == "tool")
+    assert (tool["source"], tool["agent_name"], tool["attributes"]["hits"]) == ("otlp", "solver", "3")
+    rewards = read_topic(topics.rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
+    [(key, reward)] = [(k, r) for k, r in rewards if r["rollout_id"] == rid]
+    assert key == rid and (reward["value"], reward["final"], reward["components"]) == (0.8, True, {"format": 1.0})
+    dead = read_topic(topics.dead_letter, lambda rs: any(r["reason"] == "no_rollout_id" for _, r in rs), 5)
+    assert any(r["reason"] == "no_rollout_id" and r["stage"] == "bridge" for _, r in dead)
+    metrics = httpx.get(stack["bridge"] + "/metrics").json()
+    assert metrics["spans"] >= 2 and metrics["dead_letter.no_rollout_id"] >= 1
+
+
+def _otlp_body(attrs: dict) -> bytes:
+    req = ExportTraceServiceRequest()
+    s = req.resource_spans.add().scope_spans.add().spans.add()
+    s.trace_id, s.span_id, s.name = b"\1" * 16, b"\2" * 8, "spanrl.reward"
+    for k, v in attrs.items():
+        s.attributes.append(KeyValue(key=k, value=AnyValue(**{"double_value" if isinstance(v, float) else "string_value": v})))
+    return req.SerializeToString()
+
+
+def test_bridge_rejects_bad_input(stack):
+    url = stack["bridge"] + "/v1/traces"
+    pb = {"content-type": "application/x-protobuf"}
+    assert httpx.post(url, content=b"{}", headers={"content-type": "application/json"}).status_code == 415
+    assert httpx.post(url, content=b"", headers=pb).status_code == 400
+    assert httpx.post(url, content=b"\xff\x01garbage", headers=pb).status_code == 400
+    assert httpx.post(url, content=b"\0" * 200_000, headers=pb).status_code == 413
+    rid = uuid.uuid4().hex
+    r = httpx.post(url, content=gzip.compress(_otlp_body({"spanrl.rollout_id": rid, "spanrl.reward.value": math.nan})),
+                   headers={**pb, "content-encoding": "gzip"})
+    assert r.status_code == 200
+    resp = ExportTraceServiceResponse.FromString(r.content)
+    assert resp.partial_success.rejected_spans == 1 and "invalid_reward" in resp.partial_success.error_message
+    dead = read_topic(stack["topics"].dead_letter, lambda rs: bool(of_rollout(rs, rid)), 5)
+    [(key, d)] = [(k, d) for k, d in dead if d["rollout_id"] == rid]
+    assert (key, d["reason"], d["stage"]) == (rid, "invalid_reward", "bridge")
+
+    rurl = stack["bridge"] + "/v1/rewards"
+    assert httpx.post(rurl, json={"attempt_id": "0", "value": 1.0}).status_code == 422
+    assert httpx.post(rurl, content=b'{"rollout_id": "x", "value": NaN}',
+                      headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(rurl, json={"rollout_id": rid, "attempt_id": "0", "value": 0.25, "final": True,
+                                  "name": "judge"}).status_code == 200
+    rewards = read_topic(stack["topics"].rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
+    assert [(r["value"], r["name"]) for r in of_rollout(rewards, rid)] == [(0.25, "judge")]
+
+
+def test_bridge_kafka_down_is_503():
+    proc, url = start_service("producers.bridge", "--kafka-bootstrap", "127.0.0.1:1")
+    try:
+        r = httpx.post(url + "/v1/traces", content=_otlp_body({"spanrl.rollout_id": "r", "spanrl.reward.value": 1.0}),
+                       headers={"content-type": "application/x-protobuf"}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"]
+    finally:
+        stop(proc)
+
+
+# --------------------------------------------------------------------- proxy
+def test_proxy_records_exact_tokens(stack):
+    proxy, topics = stack["proxy"], stack["topics"]
+    assert httpx.post(proxy + "/admin/policy_version", json={"version": 7, "checkpoint": "s3://b/run/7/"}).status_code == 200
+    assert httpx.get(proxy + "/admin/policy_version").json()["version"] == 7
+    rid = uuid.uuid4().hex
+    client = openai.OpenAI(base_url=f"{proxy}/rollouts/{rid}/attempts/0/v1", api_key="unused",
+                           default_headers={"x-spanrl-agent": "solver"})
+    assert [m.id for m in client.models.list().data] == [S.model_name]
+    asked = client.chat.completions.create(model=S.model_name, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=8, temperature=0.7, logprobs=True,
+                                           extra_body={"return_token_ids": True})
+    plain = client.chat.completions.create(model=S.model_name, messages=[{"role": "user", "content": "2+2?"}],
+                                           max_tokens=6)
+    compl = client.completions.create(model=S.model_name, prompt="2+2=", max_tokens=4)
+
+    # what the client did not ask for is stripped
+    assert plain.choices[0].logprobs is None and plain.choices[0].model_extra.get("token_ids") is None
+    assert plain.model_extra.get("prompt_token_ids") is None
+    assert compl.choices[0].logprobs is None
+
+    spans = of_rollout(read_topic(topics.spans, lambda rs: len(of_rollout(rs, rid)) >= 3, 10), rid)
+    assert [s["sequence_id"] for s in spans] == [0, 1, 2]  # one partition per key keeps order
+    first = spans[0]
+    llm = first["llm"]
+    assert llm["prompt_token_ids"] == asked.model_extra["prompt_token_ids"]
+    assert llm["completion_token_ids"] == asked.choices[0].model_extra["token_ids"]
+    assert llm["completion_logprobs"] == pytest.approx([t.logprob for t in asked.choices[0].logprobs.content], rel=1e-6)
+    assert len(llm["completion_logprobs"]) == len(llm["completion_token_ids"]) == asked.usage.completion_tokens
+    assert (llm["policy_version"], llm["model"], llm["temperature"], llm["max_tokens"], llm["request_id"]) == \
+        (7, S.model_name, 0.7, 8, asked.id)
+    assert (first["source"], first["kind"], first["name"], first["agent_name"]) == ("proxy", "llm", "chat.completions", "solver")
+    assert first["attributes"]["gen_ai.usage.output_tokens"] == str(asked.usage.completion_tokens)
+    assert len(first["trace_id"]) == 32 and len(first["span_id"]) == 16
+    # token ids are recorded even when the client did not ask for them
+    for s in spans[1:]:
+        assert len(s["llm"]["completion_logprobs"]) == len(s["llm"]["completion_token_ids"]) > 0
+        assert s["llm"]["prompt_token_ids"]
+    assert spans[2]["name"] == "completions" and spans[2]["llm"]["policy_version"] == 7
+
+
+def test_proxy_rejects_bad_input(stack):
+    base = f"{stack['proxy']}/rollouts/r/attempts/0/v1/chat/completions"
+    msg = [{"role": "user", "content": "x"}]
+    cases = [
+        ({"model": S.model_name, "messages": msg, "stream": True}, 400, "stream_not_supported"),
+        ({"model": S.model_name, "messages": msg, "n": 2}, 400, "n_not_supported"),
+        ({"model": "gpt-4", "messages": msg}, 404, "model_not_found"),
+    ]
+    for body, status, reason in cases:
+        r = httpx.post(base, json=body)
+        assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
+    assert httpx.post(base, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+
+
+def test_proxy_vllm_down_is_503(stack):
+    proc, url = start_service("producers.proxy", "--vllm-url", "http://127.0.0.1:1",
+                              "--topic-prefix", stack["topics"].spans.name.removesuffix("spans"))
+    try:
+        assert httpx.get(url + "/health").json()["vllm"] is False
+        r = httpx.post(url + "/rollouts/r/attempts/0/v1/chat/completions",
+                       json={"model": S.model_name, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.headers["retry-after"]
+    finally:
+        stop(proc)
+
+
+# --------------------------------------------------------------------- runner
+def test_runner_runs_groups_and_publishes_lifecycle(stack):
+    topics = stack["topics"]
+    proxy_url = stack["proxy"]
+
+    async def agent(ctx):
+        if ctx.task["mode"] == "fail":
+            raise RuntimeError("boom")
+        if ctx.task["mode"] == "slow":
+            await asyncio.sleep(30)
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused")
+        out = await client.chat.completions.create(model=S.model_name, max_tokens=4,
+                                                   messages=[{"role": "user", "content": ctx.task["q"]}])
+        await client.close()
+        ctx.emit_reward(0.5, final=False, name="format")
+        return 1.0 if out.choices[0].message.content else 0.0
+
+    async def go():
+        ids = await publish_tasks([
+            {"payload": json.dumps({"mode": "ok", "q": "Name a color."}), "group_size": 2, "timeout_s": 60},
+            {"payload": json.dumps({"mode": "fail"}), "group_size": 1},
+            {"payload": json.dumps({"mode": "slow"}), "group_size": 1, "timeout_s": 1.0},
+        ], S.kafka_bootstrap, topics)
+        runner = Runner(agent, concurrency=4, group_id=f"prtest-{uuid.uuid4().hex[:6]}",
+                        proxy_url=proxy_url, topics=topics)
+        results = await asyncio.wait_for(runner.run(max_tasks=3), 90)
+        return ids, results
+
+    ids, results = asyncio.run(go())
+    by_task = {rs[0].task_id: rs for rs in results}
+    assert [r.status for r in by_task[ids[0]]] == ["succeeded", "succeeded"]
+    assert by_task[ids[1]][0].status == "failed" and "boom" in by_task[ids[1]][0].error
+    assert by_task[ids[2]][0].status == "timeout"
+
+    events = read_topic(topics.rollouts, lambda rs: len(rs) >= 8, 10)
+    assert len(events) == 8
+    for key, e in events:
+        assert key == e["rollout_id"] and e["task_id"] in ids
+    ok_rids = {r.rollout_id for r in by_task[ids[0]]}
+    for rid in ok_rids:
+        assert [e["status"] for k, e in events if k == rid] == ["started", "succeeded"]
+        assert all(e["group_size"] == 2 for k, e in events if k == rid)
+    rewards = read_topic(topics.rewards, lambda rs: sum(r["rollout_id"] in ok_rids for _, r in rs) >= 4, 10)
+    got = sorted((r["name"], r["value"], r["final"]) for _, r in rewards if r["rollout_id"] in ok_rids)
+    assert got == [("format", 0.5, False)] * 2 + [("reward", 1.0, True)] * 2
+    spans = read_topic(topics.spans, lambda rs: sum(k in ok_rids for k, _ in rs) >= 2, 10)
+    assert {k for k, s in spans if s["source"] == "proxy"} >= ok_rids
+
+
+def test_runner_sync_agent_otel_spans_and_commits(stack):
+    topics = stack["topics"]
+    provider = inst.instrument("itest-sync-agent", stack["bridge"], set_global=False)
+    tracer = provider.get_tracer("itest")
+
+    def agent(ctx):  # sync: runs in a thread, the rollout context follows it there
+        with tracer.start_as_current_span("tool.lookup", attributes={"gen_ai.tool.name": "lookup"}):
+            client = openai.OpenAI(base_url=ctx.base_url, api_key="unused")
+            client.chat.completions.create(model=S.model_name, max_tokens=3,
+                                           messages=[{"role": "user", "content": "hi"}])
+        inst.emit_reward(0.2, final=False, name="tool_ok")  # through OTel and the bridge
+        return 0.3
+
+    group = f"prtest-{uuid.uuid4().hex[:6]}"
+    tasks = Topics.with_prefix(topics.spans.name.removesuffix("spans") + "sync-").tasks
+
+    async def go():
+        await create_topics(S.kafka_bootstrap, (tasks,))
+        t = Topics(topics.spans, topics.rewards, topics.rollouts, tasks, topics.dead_letter)
+        [tid] = await publish_tasks([{"payload": "{}", "group_size": 2}], S.kafka_bootstrap, t)
+        results = await asyncio.wait_for(Runner(agent, group_id=group, proxy_url=stack["proxy"], topics=t).run(max_tasks=1), 60)
+        c = AIOKafkaConsumer(bootstrap_servers=S.kafka_bootstrap, group_id=group, enable_auto_commit=False)
+        await c.start()
+        try:
+            tps = [TopicPartition(tasks.name, p) for p in range(tasks.partitions)]
+            committed = {tp: await c.committed(tp) for tp in tps}
+            ends = await c.end_offsets(tps)
+        finally:
+            await c.stop()
+        return tid, results, committed, ends
+
+    tid, [results], committed, ends = asyncio.run(go())
+    provider.shutdown()
+    assert [r.status for r in results] == ["succeeded", "succeeded"]
+    assert {tp: committed[tp] or 0 for tp in committed} == ends  # the task's offset is committed
+    rids = {r.rollout_id for r in results}
+    spans = read_topic(topics.spans, lambda rs: sum(k in rids for k, _ in rs) >= 6, 10)
+    mine = [(k, s["source"], s["name"], s["sequence_id"]) for k, s in spans if k in rids]
+    for rid in rids:
+        assert sorted(x[1:] for x in mine if x[0] == rid) == [
+            ("otlp", "spanrl.reward", 1), ("otlp", "tool.lookup", 0), ("proxy", "chat.completions", 0)]
+    rewards = read_topic(topics.rewards, lambda rs: sum(k in rids for k, _ in rs) >= 4, 10)
+    assert sorted((r["name"], r["value"]) for k, r in rewards if k in rids) == [("reward", 0.3)] * 2 + [("tool_ok", 0.2)] * 2

@@ -1,0 +1,147 @@
+"""OTLP protobuf -> Span / Reward / dead-letter conversion (producers.otlp)."""
+from __future__ import annotations
+
+import gzip
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from producers.otlp import OtlpError, convert_request, decode_request, span_kind
+from schemas import codec
+
+TRACE = bytes(range(16))
+SPAN = bytes(range(100, 108))
+PARENT = bytes(range(200, 208))
+
+
+def kv(key: str, value) -> KeyValue:
+    if isinstance(value, bool):
+        v = AnyValue(bool_value=value)
+    elif isinstance(value, int):
+        v = AnyValue(int_value=value)
+    elif isinstance(value, float):
+        v = AnyValue(double_value=value)
+    elif isinstance(value, list):
+        v = AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=x) for x in value]))
+    else:
+        v = AnyValue(string_value=value)
+    return KeyValue(key=key, value=v)
+
+
+def request(spans: list[Span], resource: dict | None = None) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.extend(kv(k, v) for k, v in (resource or {"service.name": "agent"}).items())
+    rs.scope_spans.add().spans.extend(spans)
+    return req
+
+
+def span(name: str, attrs: dict, parent: bytes = b"") -> Span:
+    return Span(trace_id=TRACE, span_id=SPAN, parent_span_id=parent, name=name,
+                start_time_unix_nano=1_700_000_000_000_000_000, end_time_unix_nano=1_700_000_000_500_000_000,
+                attributes=[kv(k, v) for k, v in attrs.items()], status=Status(code=Status.STATUS_CODE_OK))
+
+
+def test_tool_span_to_span_record_exact():
+    attrs = {"spanrl.rollout_id": "r1", "spanrl.attempt_id": "0", "spanrl.sequence_id": 3,
+             "spanrl.agent_name": "solver", "gen_ai.tool.name": "calculator", "retries": 2,
+             "ok": True, "score": 0.5, "tags": ["a", "b"]}
+    [c] = convert_request(request([span("tool.calculator", attrs, PARENT)]))
+    assert c.dead_reason is None and c.reward is None
+    assert c.span == {
+        "rollout_id": "r1", "attempt_id": "0", "sequence_id": 3,
+        "trace_id": TRACE.hex(), "span_id": SPAN.hex(), "parent_span_id": PARENT.hex(),
+        "name": "tool.calculator", "kind": "tool", "source": "otlp",
+        "start_time_unix_nano": 1_700_000_000_000_000_000, "end_time_unix_nano": 1_700_000_000_500_000_000,
+        "status_code": "OK", "agent_name": "solver",
+        "attributes": {"spanrl.rollout_id": "r1", "spanrl.attempt_id": "0", "spanrl.sequence_id": "3",
+                       "spanrl.agent_name": "solver", "gen_ai.tool.name": "calculator", "retries": "2",
+                       "ok": "true", "score": "0.5", "tags": '["a","b"]'},
+        "llm": None, "payload_ref": None,
+    }
+    # the record encodes and round-trips through the shared codec
+    assert codec.decode("span", codec.encode("span", c.span))["attributes"]["tags"] == '["a","b"]'
+
+
+def test_rollout_from_resource_attributes_and_defaults():
+    [c] = convert_request(request([span("work", {})], {"spanrl.rollout_id": "r9", "spanrl.attempt_id": "2"}))
+    assert (c.span["rollout_id"], c.span["attempt_id"], c.span["sequence_id"]) == ("r9", "2", -1)
+    assert c.span["parent_span_id"] is None and c.span["kind"] == "other"
+
+
+@pytest.mark.parametrize("name,attrs,kind", [
+    ("chat gpt", {}, "chat" and "llm"),
+    ("llm.call", {}, "llm"),
+    ("whatever", {"gen_ai.request.model": "m"}, "llm"),
+    ("whatever", {"gen_ai.tool.name": "t", "gen_ai.request.model": "m"}, "tool"),
+    ("tool_x", {}, "tool"),
+    ("spanrl.reward", {}, "reward"),
+    ("invoke_agent x", {"gen_ai.operation.name": "invoke_agent"}, "agent"),
+    ("db.query", {"db.system": "x"}, "other"),
+])
+def test_span_kind(name, attrs, kind):
+    assert span_kind(name, attrs) == kind
+
+
+def test_reward_span_to_reward_record():
+    attrs = {"spanrl.rollout_id": "r1", "spanrl.attempt_id": "0", "spanrl.sequence_id": 7,
+             "spanrl.reward.value": 0.75, "spanrl.reward.final": True, "spanrl.reward.name": "em",
+             "spanrl.reward.component.format": 1.0, "spanrl.reward.component.answer": 0.5}
+    [c] = convert_request(request([span("spanrl.reward", attrs)]))
+    assert c.span["kind"] == "reward"
+    assert c.reward == {"rollout_id": "r1", "attempt_id": "0", "value": 0.75, "final": True, "name": "em",
+                        "span_id": None, "timestamp_ms": 1_700_000_000_500,
+                        "components": {"format": 1.0, "answer": 0.5}}
+    assert codec.decode("reward", codec.encode("reward", c.reward))["components"] == {"format": 1.0, "answer": 0.5}
+
+
+def test_intermediate_reward_with_int_value_and_span_id():
+    attrs = {"spanrl.rollout_id": "r1", "spanrl.reward.value": 1, "spanrl.reward.final": False,
+             "spanrl.reward.span_id": "abcd"}
+    [c] = convert_request(request([span("spanrl.reward", attrs)]))
+    assert (c.reward["value"], c.reward["final"], c.reward["span_id"], c.reward["attempt_id"]) == (1.0, False, "abcd", "0")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "1.0", None])
+def test_invalid_reward_dead_lettered(value):
+    attrs = {"spanrl.rollout_id": "r1"}
+    if value is not None:
+        attrs["spanrl.reward.value"] = value
+    [c] = convert_request(request([span("spanrl.reward", attrs)]))
+    assert c.span is None and c.dead_reason == "invalid_reward" and c.rollout_id == "r1"
+
+
+def test_missing_rollout_id_dead_lettered():
+    s = span("chat", {"gen_ai.request.model": "m"})
+    [c] = convert_request(request([s]))
+    assert (c.span, c.dead_reason, c.rollout_id) == (None, "no_rollout_id", None)
+    assert Span.FromString(c.raw) == s
+
+
+def test_decode_gzip_and_errors():
+    body = request([span("x", {"spanrl.rollout_id": "r"})]).SerializeToString()
+    assert decode_request(gzip.compress(body), "gzip") == decode_request(body)
+    for bad, enc, status in [(b"", None, 400), (b"\xff\xff\xff", None, 400), (b"nogzip", "gzip", 400),
+                             (body, "br", 415), (gzip.compress(b"\0" * 1000), "gzip", 413)]:
+        with pytest.raises(OtlpError) as e:
+            decode_request(bad, enc, max_bytes=500)
+        assert e.value.status == status
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512), st.sampled_from([None, "gzip", "identity"]))
+def test_decoding_random_bytes_raises_only_otlp_error(data, encoding):
+    try:
+        req = decode_request(data, encoding)
+    except OtlpError as exc:
+        assert exc.status in (400, 413, 415)
+        return
+    for c in convert_request(req):  # whatever parsed must convert without raising
+        assert (c.span is None) != (c.dead_reason is None)
+        if c.span is not None:
+            codec.encode("span", c.span)

@@ -1,0 +1,96 @@
+"""vLLM response -> LlmCall extraction, response stripping, sequence counters (producers.proxy)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from producers.proxy import (
+    CHAT, COMPLETIONS, MissingTokenIds, SequenceCounter, llm_call_from_response, parse_traceparent,
+    strip_response, upstream_body,
+)
+from schemas import codec
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+# the requests that produced the captured fixtures (vLLM 0.32, SmolLM2-135M-Instruct as "policy")
+CHAT_REQ = {"model": "policy", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
+            "temperature": 0.7}
+COMPL_REQ = {"model": "policy", "prompt": "2+2=", "max_tokens": 5, "temperature": 0.0}
+
+
+def load(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def test_chat_llm_call_from_real_vllm_response():
+    resp = load("vllm_chat_completion.json")
+    llm = llm_call_from_response(CHAT, CHAT_REQ, resp, policy_version=3)
+    assert llm["prompt_token_ids"] == resp["prompt_token_ids"] and len(llm["prompt_token_ids"]) == 33
+    assert llm["completion_token_ids"] == [57, 5248, 588, 18948, 346, 2316, 1535, 30]
+    assert llm["completion_logprobs"] == [t["logprob"] for t in resp["choices"][0]["logprobs"]["content"]]
+    assert llm["completion_logprobs"][0] == pytest.approx(-2.1747641563415527)
+    assert (llm["model"], llm["policy_version"], llm["temperature"], llm["top_p"], llm["max_tokens"],
+            llm["finish_reason"], llm["request_id"]) == ("policy", 3, 0.7, 1.0, 8, "length", "chatcmpl-94077dc6fef8c2af")
+    span = {"rollout_id": "r", "attempt_id": "0", "sequence_id": 0, "trace_id": "0" * 32, "span_id": "1" * 16,
+            "name": CHAT, "kind": "llm", "source": "proxy", "start_time_unix_nano": 1, "end_time_unix_nano": 2,
+            "llm": llm}
+    back = codec.decode("span", codec.encode("span", span))["llm"]
+    assert back["completion_token_ids"] == llm["completion_token_ids"]
+    assert back["completion_logprobs"] == pytest.approx(llm["completion_logprobs"], rel=1e-6)  # float32 on the wire
+
+
+def test_completion_llm_call_from_real_vllm_response():
+    resp = load("vllm_completion.json")
+    llm = llm_call_from_response(COMPLETIONS, COMPL_REQ, resp, policy_version=0)
+    assert llm["prompt_token_ids"] == [34, 27, 34, 45]
+    assert llm["completion_token_ids"] == [33, 33, 28, 588, 260]
+    assert llm["completion_logprobs"] == resp["choices"][0]["logprobs"]["token_logprobs"]
+    assert (llm["temperature"], llm["finish_reason"]) == (0.0, "length")
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda r: r.pop("prompt_token_ids"),
+    lambda r: r["choices"][0].pop("token_ids"),
+    lambda r: r["choices"][0].update(logprobs=None),
+    lambda r: r["choices"][0]["logprobs"]["content"].pop(),
+    lambda r: r.update(choices=[]),
+])
+def test_missing_token_ids_or_logprobs(mutate):
+    resp = load("vllm_chat_completion.json")
+    mutate(resp)
+    with pytest.raises(MissingTokenIds):
+        llm_call_from_response(CHAT, CHAT_REQ, resp, 0)
+
+
+def test_upstream_body_asks_for_ids_and_logprobs():
+    assert upstream_body(CHAT, CHAT_REQ) == {**CHAT_REQ, "logprobs": True, "return_token_ids": True}
+    assert upstream_body(COMPLETIONS, COMPL_REQ)["logprobs"] == 1
+    assert upstream_body(COMPLETIONS, {**COMPL_REQ, "logprobs": 5})["logprobs"] == 5
+
+
+def test_strip_response_removes_what_client_did_not_ask():
+    resp = load("vllm_chat_completion.json")
+    out = strip_response(CHAT, CHAT_REQ, resp)
+    assert out["prompt_token_ids"] is None and out["choices"][0]["token_ids"] is None
+    assert out["choices"][0]["logprobs"] is None
+    assert out["choices"][0]["message"] == resp["choices"][0]["message"] and out["usage"] == resp["usage"]
+    assert resp["prompt_token_ids"] is not None  # the input is not mutated
+    assert strip_response(CHAT, {**CHAT_REQ, "logprobs": True, "return_token_ids": True}, resp) == resp
+    kept = strip_response(CHAT, {**CHAT_REQ, "logprobs": True}, resp)
+    assert kept["choices"][0]["logprobs"] == resp["choices"][0]["logprobs"] and kept["prompt_token_ids"] is None
+    c = strip_response(COMPLETIONS, COMPL_REQ, load("vllm_completion.json"))["choices"][0]
+    assert (c["prompt_token_ids"], c["token_ids"], c["logprobs"]) == (None, None, None)
+
+
+def test_sequence_counter_per_attempt():
+    s = SequenceCounter()
+    assert [s.next("a", "0") for _ in range(3)] == [0, 1, 2]
+    assert s.next("a", "1") == 0 and s.next("b", "0") == 0 and s.next("a", "0") == 3
+
+
+def test_traceparent():
+    tid, sid = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    assert parse_traceparent(f"00-{tid}-{sid}-01") == (tid, sid)
+    for bad in [None, "", "junk", f"00-{'0' * 32}-{sid}-01", f"00-{tid}-zzzzzzzzzzzzzzzz-01"]:
+        assert parse_traceparent(bad) is None
