@@ -1,0 +1,329 @@
+"""The Faust app: plumbing around stream_jobs.assembly and stream_jobs.grouping.
+
+    python -m stream_jobs.app worker -l info
+
+Agent ``assemble``: spans + rewards + rollouts (co-partitioned by rollout_id) ->
+per-rollout state in a table -> transitions (key task_id).
+Agent ``group``: transitions -> per-task group state in a table -> samples (key task_id).
+Both -> dead-letter (key rollout_id). See stream_jobs/README.md.
+
+Plumbing only: every decision is made by the pure functions.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+from faust.streams import current_event
+
+from schemas import codec, topics
+from stream_jobs import assembly, grouping
+from stream_jobs import dead_letters as dl
+from stream_jobs.credit import parse_credit_rule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Everything the app reads from the environment (see README for the variables)."""
+
+    app_id: str = "spanrl-stream"
+    bootstrap: str = "127.0.0.1:19092"
+    web_host: str = "127.0.0.1"
+    web_port: int = 16066
+    spans_topic: str = topics.SPANS.name
+    rewards_topic: str = topics.REWARDS.name
+    rollouts_topic: str = topics.ROLLOUTS.name
+    transitions_topic: str = topics.TRANSITIONS.name
+    samples_topic: str = topics.SAMPLES.name
+    dead_letter_topic: str = topics.DEAD_LETTER.name
+    credit_rule: str = "identical"
+    train_agents: frozenset[str] | None = None
+    reward_timeout_s: float = 60.0
+    group_timeout_s: float = 120.0
+    rollout_timeout_s: float = 900.0
+    settle_s: float = 2.0
+    retain_s: float = 3600.0
+    tick_s: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "StreamConfig":
+        from infra.settings import get_settings
+
+        env = dict(os.environ if env is None else env)
+        s = get_settings()
+        agents = {a.strip() for a in env.get("SPANRL_TRAIN_AGENTS", "").split(",") if a.strip()}
+        g = env.get
+        return cls(
+            app_id=g("SPANRL_STREAM_APP_ID", "spanrl-stream"),
+            bootstrap=s.kafka_bootstrap,
+            web_host=s.host,
+            web_port=s.faust_web_port,
+            spans_topic=g("SPANRL_SPANS_TOPIC", topics.SPANS.name),
+            rewards_topic=g("SPANRL_REWARDS_TOPIC", topics.REWARDS.name),
+            rollouts_topic=g("SPANRL_ROLLOUTS_TOPIC", topics.ROLLOUTS.name),
+            transitions_topic=g("SPANRL_TRANSITIONS_TOPIC", topics.TRANSITIONS.name),
+            samples_topic=g("SPANRL_SAMPLES_TOPIC", topics.SAMPLES.name),
+            dead_letter_topic=g("SPANRL_DEAD_LETTER_TOPIC", topics.DEAD_LETTER.name),
+            credit_rule=g("SPANRL_CREDIT_RULE", "identical"),
+            train_agents=frozenset(agents) or None,
+            reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),
+            group_timeout_s=float(g("SPANRL_GROUP_TIMEOUT_S", "120")),
+            rollout_timeout_s=float(g("SPANRL_ROLLOUT_TIMEOUT_S", "900")),
+            settle_s=float(g("SPANRL_SETTLE_S", "2")),
+            retain_s=float(g("SPANRL_STREAM_RETAIN_S", "3600")),
+            tick_s=float(g("SPANRL_STREAM_TICK_S", "1")),
+        )
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _install_source_partition_transactions() -> None:
+    """Faust gotcha (faust-streaming 0.15, processing_guarantee="exactly_once").
+
+    Faust's TransactionManager picks the transaction of a produced record from the
+    *destination* topic's partition and co-partition group. For an output topic the app
+    does not consume (samples, dead-letter) the group lookup raises KeyError; for a
+    record sent to another partition than its source it lands in another partition's
+    transaction, which commits independently of the source offsets. We send every
+    record produced while handling an event in the transaction of that event's source
+    partition - the one that commits the event's offset and its table changelog writes
+    - which is what Kafka's consume-transform-produce pattern (KIP-98) prescribes.
+    Sends outside an event (none in this app) keep Faust's behaviour.
+    """
+    from faust.transport.consumer import TransactionManager
+
+    if getattr(TransactionManager.send, "_spanrl_patched", False):
+        return
+    original = TransactionManager.send
+
+    async def send(self, topic, key, value, partition, timestamp, headers, *, transactional_id=None):
+        event = current_event()
+        if event is not None:
+            tp = event.message.tp
+            try:
+                group = self.app.assignor.group_for_topic(tp.topic)
+            except KeyError:
+                group = None
+            if group is not None:
+                tid = f"{self.app.conf.id}-{group}-{tp.partition}"
+                return await self.producer.send(topic, key, value, partition, timestamp, headers,
+                                                transactional_id=tid)
+        return await original(self, topic, key, value, partition, timestamp, headers,
+                              transactional_id=transactional_id)
+
+    send._spanrl_patched = True
+    TransactionManager.send = send
+
+
+def make_app(config: StreamConfig | None = None) -> faust.App:
+    """Build the stream app for ``config`` (default: from the environment)."""
+    cfg = config or StreamConfig.from_env()
+    _install_source_partition_transactions()
+    app = faust.App(
+        cfg.app_id,
+        broker="kafka://" + cfg.bootstrap,
+        processing_guarantee="exactly_once",
+        store="memory://",  # state recovers from the changelog topics
+        web_host=cfg.web_host,
+        web_port=cfg.web_port,
+        topic_allow_declare=True,  # Faust declares only its internal topics (changelogs, ticks)
+        topic_disable_leader=True,
+    )
+    assembly_cfg = assembly.AssemblyConfig(
+        credit_rule=parse_credit_rule(cfg.credit_rule), agents=cfg.train_agents,
+        reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
+        settle_s=cfg.settle_s)
+    grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)
+    rollout_partitions = topics.SPANS.partitions
+    task_partitions = topics.TRANSITIONS.partitions
+    counters: Counter = Counter()
+    dead_reasons: Counter = Counter()
+
+    raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    # Timeouts: a timer cannot write tables or produce inside a transaction (no event),
+    # so it produces tick records to internal topics, one per partition; the agents
+    # handle a tick like any input, inside that partition's transaction.
+    rollout_ticks = app.topic(f"{cfg.app_id}-rollout-ticks", **raw)
+    task_ticks = app.topic(f"{cfg.app_id}-group-ticks", **raw)
+    transitions_out = app.topic(cfg.transitions_topic, **raw)
+    samples_out = app.topic(cfg.samples_topic, **raw)
+    dead_out = app.topic(cfg.dead_letter_topic, **raw)
+
+    table_opts = dict(default=None, schema=faust.Schema(key_type=str, value_type=dict,
+                                                        key_serializer="json", value_serializer="json"))
+    rollouts = app.Table("rollouts", partitions=rollout_partitions, **table_opts)
+    calls = app.Table("calls", partitions=rollout_partitions, **table_opts)
+    groups = app.Table("groups", partitions=task_partitions, **table_opts)
+    group_transitions = app.Table("group-transitions", partitions=task_partitions, **table_opts)
+
+    async def send_dead(records: list[dict], message=None, payload: bytes | None = None) -> None:
+        for r in records:
+            if message is not None:
+                r = {**r, "source_topic": message.topic, "source_partition": message.partition,
+                     "source_offset": message.offset}
+                if payload is not None and r.get("payload") is None:
+                    r["payload"] = payload
+            key = r["rollout_id"].encode() if r.get("rollout_id") else None
+            await dead_out.send(key=key, value=codec.encode("dead_letter", r))
+            counters["dead_letters_out"] += 1
+            dead_reasons[r["reason"]] += 1
+
+    async def send_transitions(records: list[dict]) -> None:
+        for t in records:  # in call order
+            await transitions_out.send(key=t["task_id"].encode(), value=codec.encode("transition", t))
+            counters["transitions_out"] += 1
+
+    async def send_samples(records: list[dict]) -> None:
+        for s in records:
+            await samples_out.send(key=s["transition"]["task_id"].encode(),
+                                   value=codec.encode("sample", s))
+            counters["samples_out"] += 1
+
+    kinds = {cfg.spans_topic: ("span", "spans_in"), cfg.rewards_topic: ("reward", "rewards_in"),
+             cfg.rollouts_topic: ("rollout", "rollout_events_in")}
+
+    # internal=True: Faust declares (creates if missing) these topics with `partitions`
+    # before subscribing - that is how the tick topic gets the inputs' partition count
+    # (a consumer's metadata request would auto-create it with the broker default).
+    # The input topics themselves already exist (infra creates them).
+    @app.agent(app.topic(cfg.spans_topic, cfg.rewards_topic, cfg.rollouts_topic,
+                         rollout_ticks.get_topic_name(), internal=True,
+                         partitions=rollout_partitions, **raw))
+    async def assemble(stream):
+        async for event in stream.events():
+            msg = event.message
+            now = _now_ms()
+            if msg.topic == rollout_ticks.get_topic_name():
+                await _tick_rollouts(msg.partition, now)
+                continue
+            record_type, counter = kinds[msg.topic]
+            counters[counter] += 1
+            try:
+                record = codec.decode(record_type, msg.value)
+            except codec.SchemaError as exc:
+                await send_dead([dl.dead_letter(
+                    exc.reason, dl.ASSEMBLER, now, detail=exc.detail,
+                    rollout_id=_key_text(msg.key))], msg, msg.value)
+                continue
+            rid = record["rollout_id"]
+            state = rollouts.get(rid) or assembly.new_state(rid, msg.partition)
+            if record_type == "span":
+                out = assembly.add_span(state, record, calls, assembly_cfg, now)
+            elif record_type == "reward":
+                out = assembly.add_reward(state, record, now)
+            else:
+                out = assembly.add_rollout_event(state, record, now)
+            input_dead = out.dead_letters
+            out = assembly.advance(state, calls, assembly_cfg, now)
+            rollouts[rid] = state
+            await send_dead(input_dead, msg, msg.value)
+            await send_transitions(out.transitions)
+            await send_dead(out.dead_letters)
+
+    async def _tick_rollouts(partition: int, now: int) -> None:
+        for rid in list(rollouts.keys()):
+            state = rollouts.get(rid)
+            if state is None or state.get("partition") != partition:
+                continue
+            if assembly.expired(state, now, cfg.retain_s):
+                del rollouts[rid]
+                continue
+            out = assembly.advance(state, calls, assembly_cfg, now)
+            if out.changed:
+                rollouts[rid] = state
+                await send_transitions(out.transitions)
+                await send_dead(out.dead_letters)
+
+    @app.agent(app.topic(cfg.transitions_topic, task_ticks.get_topic_name(), internal=True,
+                         partitions=task_partitions, **raw))
+    async def group(stream):
+        async for event in stream.events():
+            msg = event.message
+            now = _now_ms()
+            if msg.topic == task_ticks.get_topic_name():
+                for tid in list(groups.keys()):
+                    state = groups.get(tid)
+                    if state is None or state.get("partition") != msg.partition:
+                        continue
+                    out = grouping.advance(state, group_transitions, grouping_cfg, now)
+                    if out.samples or out.dead_letters:
+                        groups[tid] = state
+                        await send_samples(out.samples)
+                        await send_dead(out.dead_letters)
+                continue
+            try:
+                tr = codec.decode("transition", msg.value)
+            except codec.SchemaError as exc:
+                await send_dead([dl.dead_letter(exc.reason, dl.GROUPER, now, detail=exc.detail)],
+                                msg, msg.value)
+                continue
+            state = groups.get(tr["task_id"]) or grouping.new_state(tr["task_id"], msg.partition)
+            out = grouping.add_transition(state, tr, group_transitions, grouping_cfg, now)
+            groups[tr["task_id"]] = state
+            await send_samples(out.samples)
+            await send_dead(out.dead_letters)
+
+    ticker: dict[str, Any] = {}
+
+    @app.timer(interval=cfg.tick_s)
+    async def tick() -> None:
+        # A plain (non-transactional) producer: a tick is visible at once to the
+        # read_committed consumer, and a duplicated tick is harmless.
+        from aiokafka import AIOKafkaProducer
+
+        try:
+            producer = ticker.get("producer")
+            if producer is None:
+                producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap)
+                await producer.start()
+                ticker["producer"] = producer
+            for name in (rollout_ticks.get_topic_name(), task_ticks.get_topic_name()):
+                for p in sorted(await producer.partitions_for(name)):
+                    await producer.send(name, b"", partition=p)
+        except Exception:  # a missed tick only delays timeouts; never crash the worker
+            log.exception("spanrl: tick failed")
+
+    @app.on_before_shutdown.connect
+    async def _stop_ticker(app, **kwargs) -> None:
+        producer = ticker.pop("producer", None)
+        if producer is not None:
+            await producer.stop()
+
+    @app.page("/spanrl/counters/")
+    async def counters_view(web, request):
+        return web.json({
+            "spans_in": counters["spans_in"], "rewards_in": counters["rewards_in"],
+            "rollout_events_in": counters["rollout_events_in"],
+            "transitions_out": counters["transitions_out"], "samples_out": counters["samples_out"],
+            "dead_letters_out": dict(dead_reasons),
+        })
+
+    @app.page("/spanrl/health/")
+    async def health_view(web, request):
+        return web.json({"ok": True, "app_id": cfg.app_id})
+
+    app.spanrl_config = cfg  # for introspection in tests
+    return app
+
+
+def _key_text(key: bytes | None) -> str | None:
+    try:
+        return key.decode() if key else None
+    except UnicodeDecodeError:
+        return None
+
+
+app = make_app()
+
+if __name__ == "__main__":
+    app.main()

@@ -1,0 +1,288 @@
+"""Rollout assembly: spans + rewards + lifecycle events of one rollout -> transitions.
+
+Pure state logic (no Faust). One state dict per ``rollout_id``, plain JSON so it can
+live in a Faust table; the bulky token ids of usable LLM calls live in a separate
+``store`` mapping (a dict in tests, a second Faust table in the app) so that a table
+update does not rewrite every call's tokens.
+
+An attempt (``attempt_id``) of a rollout is assembled on its own. Inputs may arrive in
+any order. An attempt ends, exactly once, in one of:
+
+- **emitted**: it has a terminal lifecycle status (succeeded | failed | timeout) AND a
+  final reward R, and ``settle_s`` have passed since both were present (Kafka does not
+  order records across the spans/rewards/rollouts topics, so a call's span may be
+  consumed after the reward; calls arriving later are dead-lettered ``late_span``)
+  -> one transition per selected call, in call order, each credited by
+  the credit rule (LightningRL, arXiv 2508.03680 s3.3.2: identical credit, reward R);
+  with zero selected calls -> one dead letter ``no_llm_calls`` instead.
+- **no reward**: terminal status but no final reward within ``reward_timeout_s`` of
+  the terminal event -> dead letter ``no_reward_before_timeout`` (succeeded) or
+  ``rollout_failed_no_reward`` (failed/timeout). We wait for failed attempts too,
+  since an evaluator may score a failed run (e.g. R=0) and the reward topic is not
+  ordered with the rollouts topic.
+- **timeout**: no terminal lifecycle event within ``rollout_timeout_s`` of the
+  attempt's last input -> dead letter ``rollout_timeout``.
+
+Selected calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source ==
+"proxy"``) or carrying token data (``llm`` set), of the trained agents when ``agents`` is
+given, ordered by ``(sequence_id, span_id)``. Such a span without ``llm`` or with no
+completion token ids -> dead letter ``missing_token_ids`` for that span alone (the other
+calls still train); completion logprobs not one per token -> ``logprobs_mismatch``.
+A span re-delivered with the same ``span_id`` counts once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import MutableMapping
+
+from stream_jobs import dead_letters as dl
+from stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
+
+TERMINAL = frozenset({"succeeded", "failed", "timeout"})
+EMITTED = "emitted"
+DEAD = "dead_letter"
+
+
+@dataclass(frozen=True)
+class AssemblyConfig:
+    """credit_rule: credit per call; agents: names of trained agents (None: all);
+    reward_timeout_s / rollout_timeout_s: see the module doc."""
+
+    credit_rule: CreditRule = field(default_factory=lambda: parse_credit_rule("identical"))
+    agents: frozenset[str] | None = None
+    reward_timeout_s: float = 60.0
+    rollout_timeout_s: float = 900.0
+    settle_s: float = 2.0
+
+
+@dataclass
+class Outcome:
+    """What an update produced: transition dicts (in call order) and dead-letter dicts."""
+
+    transitions: list[dict] = field(default_factory=list)
+    dead_letters: list[dict] = field(default_factory=list)
+    changed: bool = False  # advance(): the state changed and must be written back
+
+    def extend(self, other: "Outcome") -> "Outcome":
+        self.transitions += other.transitions
+        self.dead_letters += other.dead_letters
+        self.changed = self.changed or other.changed
+        return self
+
+
+def new_state(rollout_id: str, partition: int | None = None) -> dict:
+    """Empty state of one rollout. ``partition``: the Kafka partition it lives on (app use)."""
+    return {"rollout_id": rollout_id, "partition": partition, "attempts": {}}
+
+
+def _attempt(state: dict, attempt_id: str, now_ms: int) -> dict:
+    a = state["attempts"].get(attempt_id)
+    if a is None:
+        a = state["attempts"][attempt_id] = {
+            "task_id": None, "group_size": None, "status": None, "error": None,
+            "calls": {},        # span_id -> {"sequence_id", "agent_name"}; tokens in the store
+            "bad_spans": [],    # span ids already dead-lettered
+            "rewards": [],      # reward events in arrival order (value, final, name, span_id)
+            "first_ms": now_ms, "last_ms": now_ms, "ended_ms": None, "ready_ms": None,
+            "done": None, "done_ms": None,
+        }
+    a["last_ms"] = max(a["last_ms"], now_ms)
+    return a
+
+
+def store_key(rollout_id: str, attempt_id: str, span_id: str) -> str:
+    """Key of one call's token data in the store."""
+    return f"{rollout_id}|{attempt_id}|{span_id}"
+
+
+def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyConfig,
+             now_ms: int) -> Outcome:
+    """Record one span (decoded span.v1). Non-LLM spans and calls of untrained agents are
+    not training data and leave no trace; a bad LLM span yields its dead letter."""
+    out = Outcome()
+    if span.get("kind") != "llm":
+        return out
+    if span.get("source") != "proxy" and not span.get("llm"):
+        return out  # the agent's own GenAI telemetry of a call the proxy recorded with tokens
+    if config.agents is not None and span.get("agent_name") not in config.agents:
+        return out
+    rid, aid, sid = span["rollout_id"], span["attempt_id"], span["span_id"]
+    a = _attempt(state, aid, now_ms)
+    if sid in a["calls"] or sid in a["bad_spans"]:
+        return out  # re-delivered span: counted once
+    if a["done"] is not None:
+        out.dead_letters.append(dl.dead_letter(
+            dl.LATE_SPAN, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"],
+            detail=f"attempt {aid} already {a['done']}; span {sid}"))
+        a["bad_spans"].append(sid)
+        return out
+    llm = span.get("llm")
+    reason = None
+    if not llm or not llm.get("completion_token_ids"):
+        reason, detail = dl.MISSING_TOKEN_IDS, f"span {sid}: no llm call data / completion_token_ids"
+    elif len(llm.get("completion_logprobs") or []) != len(llm["completion_token_ids"]):
+        reason = dl.LOGPROBS_MISMATCH
+        detail = (f"span {sid}: {len(llm.get('completion_logprobs') or [])} logprobs for "
+                  f"{len(llm['completion_token_ids'])} completion tokens")
+    if reason:
+        a["bad_spans"].append(sid)
+        out.dead_letters.append(dl.dead_letter(
+            reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"], detail=detail))
+        return out
+    a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name")}
+    store[store_key(rid, aid, sid)] = {
+        "model": llm["model"],
+        "policy_version": int(llm["policy_version"]),
+        "prompt_token_ids": list(llm["prompt_token_ids"]),
+        "completion_token_ids": list(llm["completion_token_ids"]),
+        "completion_logprobs": [float(x) for x in llm["completion_logprobs"]],
+    }
+    return out
+
+
+def add_reward(state: dict, reward: dict, now_ms: int) -> Outcome:
+    """Record one reward event (decoded reward.v1). NaN/inf -> ``invalid_reward``."""
+    out = Outcome()
+    a = _attempt(state, reward["attempt_id"], now_ms)
+    value = float(reward["value"])
+    if not math.isfinite(value):
+        out.dead_letters.append(dl.dead_letter(
+            dl.INVALID_REWARD, dl.ASSEMBLER, now_ms, rollout_id=state["rollout_id"],
+            task_id=a["task_id"], detail=f"attempt {reward['attempt_id']}: value {value!r}"))
+        return out
+    event = {"value": value, "final": bool(reward.get("final", True)),
+             "name": reward.get("name", "reward"), "span_id": reward.get("span_id"),
+             "timestamp_ms": reward.get("timestamp_ms")}
+    if event in a["rewards"]:
+        return out  # re-delivered reward event
+    if a["done"] is not None:
+        out.dead_letters.append(dl.dead_letter(
+            dl.LATE_REWARD, dl.ASSEMBLER, now_ms, rollout_id=state["rollout_id"],
+            task_id=a["task_id"], detail=f"attempt {reward['attempt_id']} already {a['done']}"))
+        return out
+    a["rewards"].append(event)
+    return out
+
+
+def add_rollout_event(state: dict, event: dict, now_ms: int) -> Outcome:
+    """Record one lifecycle event (decoded rollout.v1). The first terminal status wins;
+    a ``started`` arriving after it does not reopen the attempt."""
+    a = _attempt(state, event["attempt_id"], now_ms)
+    a["task_id"] = a["task_id"] or event["task_id"]
+    a["group_size"] = a["group_size"] or int(event["group_size"])
+    status = event["status"]
+    if a["status"] not in TERMINAL:
+        a["status"] = status
+        if status in TERMINAL:
+            a["ended_ms"] = now_ms
+            a["error"] = event.get("error")
+    return Outcome()
+
+
+def advance(state: dict, store: MutableMapping, config: AssemblyConfig, now_ms: int) -> Outcome:
+    """Finish every attempt that can be finished at ``now_ms`` (see module doc).
+
+    Call after each input and periodically. Marks finished attempts ``done`` (so a
+    second call emits nothing) and removes their calls from ``store``.
+    """
+    out = Outcome()
+    for aid in sorted(state["attempts"]):
+        a = state["attempts"][aid]
+        if a["done"] is not None:
+            continue
+        out.extend(_advance_attempt(state["rollout_id"], aid, a, store, config, now_ms))
+    return out
+
+
+def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
+                     config: AssemblyConfig, now_ms: int) -> Outcome:
+    out = Outcome()
+
+    def dead(reason: str, detail: str) -> Outcome:
+        out.changed = True
+        out.dead_letters.append(dl.dead_letter(
+            reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"],
+            detail=f"attempt {aid}: {detail}"))
+        _finish(rid, aid, a, store, DEAD, now_ms)
+        return out
+
+    if a["status"] not in TERMINAL:
+        if now_ms - a["last_ms"] >= config.rollout_timeout_s * 1000:
+            return dead(dl.ROLLOUT_TIMEOUT, f"no terminal lifecycle event within "
+                        f"{config.rollout_timeout_s:g}s; {len(a['calls'])} llm calls dropped")
+        return out
+    try:
+        R = episode_return(a["rewards"])
+    except InvalidReward as exc:  # add_reward already filters these; kept for safety
+        return dead(dl.INVALID_REWARD, str(exc))
+    if R is None:
+        if now_ms - a["ended_ms"] >= config.reward_timeout_s * 1000:
+            reason = dl.NO_REWARD_BEFORE_TIMEOUT if a["status"] == "succeeded" else dl.ROLLOUT_FAILED_NO_REWARD
+            return dead(reason, f"status {a['status']}, no final reward within "
+                        f"{config.reward_timeout_s:g}s; {len(a['calls'])} llm calls dropped")
+        return out
+    if a["ready_ms"] is None:
+        a["ready_ms"] = now_ms
+        out.changed = True
+    if now_ms - a["ready_ms"] < config.settle_s * 1000:
+        return out
+    if not a["calls"]:
+        return dead(dl.NO_LLM_CALLS, f"status {a['status']}, return {R!r}, no selected llm call")
+    out.transitions = build_transitions(rid, aid, a, R, store, config.credit_rule)
+    out.changed = True
+    _finish(rid, aid, a, store, EMITTED, now_ms)
+    return out
+
+
+def selected_calls(a: dict) -> list[str]:
+    """Span ids of an attempt's selected calls in call order (sequence_id, then span_id)."""
+    return sorted(a["calls"], key=lambda sid: (a["calls"][sid]["sequence_id"], sid))
+
+
+def build_transitions(rid: str, aid: str, a: dict, R: float, store: MutableMapping,
+                      rule: CreditRule) -> list[dict]:
+    """Transition dicts (schemas/avro/transition.v1.avsc) of an ended attempt with return R."""
+    order = selected_calls(a)
+    T = len(order)
+    rewards = rule(R, T)  # LightningRL s3.3.2: identical credit -> every call gets R
+    transitions = []
+    for t, sid in enumerate(order):
+        call = store[store_key(rid, aid, sid)]
+        transitions.append({
+            "schema_version": 1,
+            "rollout_id": rid,
+            "attempt_id": aid,
+            "span_id": sid,
+            "task_id": a["task_id"],
+            "group_size": int(a["group_size"]),
+            "sequence_id": a["calls"][sid]["sequence_id"],
+            "call_index": t,
+            "rollout_transition_count": T,
+            "agent_name": a["calls"][sid]["agent_name"],
+            "model": call["model"],
+            "policy_version": call["policy_version"],
+            "prompt_token_ids": call["prompt_token_ids"],
+            "completion_token_ids": call["completion_token_ids"],
+            "behaviour_logprobs": call["completion_logprobs"],
+            "episode_return": R,
+            "reward": rewards[t],
+            "credit_rule": rule.name,
+            "status": a["status"],
+        })
+    return transitions
+
+
+def _finish(rid: str, aid: str, a: dict, store: MutableMapping, how: str, now_ms: int) -> None:
+    for sid in list(a["calls"]):
+        store.pop(store_key(rid, aid, sid), None)
+    a["done"], a["done_ms"] = how, now_ms  # calls/rewards kept: re-deliveries stay no-ops
+    return None
+
+
+def expired(state: dict, now_ms: int, retain_s: float) -> bool:
+    """True when every attempt is done and the last finished ``retain_s`` ago or more:
+    the state can be deleted (late inputs after that start a fresh state)."""
+    attempts = state["attempts"].values()
+    return bool(attempts) and all(
+        a["done"] is not None and now_ms - a["done_ms"] >= retain_s * 1000 for a in attempts)

@@ -1,0 +1,154 @@
+"""Per-task grouping: transitions of a task's rollouts -> GRPO samples.
+
+Pure state logic (no Faust). One state dict per ``task_id`` (plain JSON, for a Faust
+table); the transitions themselves wait in a separate ``store`` mapping.
+
+LightningRL (arXiv 2508.03680) s3.3: the transitions of several runs of the same task
+form a group and GRPO normalises the episode returns inside it, so every call of
+rollout i gets the advantage A_i = (R_i - mean R) / (std R + eps) (DeepSeekMath,
+arXiv 2402.03300 s4.1.2; see :func:`stream_jobs.credit.grpo_advantages`). The
+advantage uses ``episode_return``; the credit rule only changes a transition's
+``reward`` field (for losses that use it, e.g. REINFORCE++).
+
+A rollout is *complete* in the group when ``rollout_transition_count`` distinct
+transitions of one attempt arrived (idempotent by (rollout_id, attempt_id, span_id)).
+The open group of a task closes when ``group_size`` distinct rollouts are complete, or
+``group_timeout_s`` after it opened (its first transition). On close:
+
+- the first complete attempt of each rollout is a member; its samples are produced
+  (ordered by rollout_id, attempt_id, call_index) with ``group_id = f"{task_id}/{n}"``,
+  n = number of earlier groups of this task that produced samples (0, 1, ...);
+- other transitions -> dead letters ``group_incomplete`` (attempt not complete) or
+  ``superseded_attempt`` (another attempt of that rollout is the member), with the
+  encoded transition as payload;
+- a later transition of a rollout of a closed group -> ``group_closed``.
+
+The next transition of the task opens a new group (the runner may run a task again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import MutableMapping
+
+from schemas import codec
+from stream_jobs import dead_letters as dl
+from stream_jobs.credit import grpo_advantages, group_stats
+
+RECENT_CLOSED_MAX = 1024
+
+
+@dataclass(frozen=True)
+class GroupingConfig:
+    group_timeout_s: float = 120.0
+    eps: float = 1e-6
+
+
+@dataclass
+class GroupOutcome:
+    samples: list[dict] = field(default_factory=list)
+    dead_letters: list[dict] = field(default_factory=list)
+
+
+def new_state(task_id: str, partition: int | None = None) -> dict:
+    return {"task_id": task_id, "partition": partition, "closed_groups": 0,
+            "open": None, "recent_closed": []}
+
+
+def store_key(task_id: str, rollout_id: str, attempt_id: str, span_id: str) -> str:
+    return f"{task_id}|{rollout_id}|{attempt_id}|{span_id}"
+
+
+def add_transition(state: dict, transition: dict, store: MutableMapping,
+                   config: GroupingConfig, now_ms: int) -> GroupOutcome:
+    """Add one transition (decoded transition.v1); closes the group when it is full."""
+    tid, rid, aid, sid = (transition["task_id"], transition["rollout_id"],
+                          transition["attempt_id"], transition["span_id"])
+    if rid in state["recent_closed"]:
+        return GroupOutcome(dead_letters=[_dead(dl.GROUP_CLOSED, transition, now_ms,
+                                                "its group already closed")])
+    g = state["open"]
+    if g is None:
+        g = state["open"] = {"opened_ms": now_ms, "group_size": max(1, int(transition["group_size"])),
+                             "members": {}, "completions": 0}
+    m = g["members"].setdefault(f"{rid}|{aid}", {
+        "rollout_id": rid, "attempt_id": aid, "count": int(transition["rollout_transition_count"]),
+        "spans": [], "episode_return": float(transition["episode_return"]), "completed": None})
+    if sid in m["spans"]:
+        return GroupOutcome()  # re-delivered transition: counted once
+    m["spans"].append(sid)
+    store[store_key(tid, rid, aid, sid)] = transition
+    if m["completed"] is None and len(m["spans"]) >= m["count"]:
+        m["completed"] = g["completions"]  # completion order decides between attempts
+        g["completions"] += 1
+    if len(_complete_rollouts(g)) >= g["group_size"]:
+        return close(state, store, config, now_ms)
+    return GroupOutcome()
+
+
+def advance(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: int) -> GroupOutcome:
+    """Close the open group if it has been open ``group_timeout_s`` or longer."""
+    g = state["open"]
+    if g is not None and now_ms - g["opened_ms"] >= config.group_timeout_s * 1000:
+        return close(state, store, config, now_ms)
+    return GroupOutcome()
+
+
+def _complete_rollouts(g: dict) -> dict[str, dict]:
+    """rollout_id -> its first complete attempt's member entry."""
+    best: dict[str, dict] = {}
+    for m in g["members"].values():
+        if m["completed"] is not None:
+            cur = best.get(m["rollout_id"])
+            if cur is None or m["completed"] < cur["completed"]:
+                best[m["rollout_id"]] = m
+    return best
+
+
+def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: int) -> GroupOutcome:
+    """Close the open group: samples for its complete rollouts, dead letters for the rest."""
+    out = GroupOutcome()
+    g = state["open"]
+    if g is None:
+        return out
+    tid = state["task_id"]
+    members = sorted(_complete_rollouts(g).values(), key=lambda m: (m["rollout_id"], m["attempt_id"]))
+    chosen = {(m["rollout_id"], m["attempt_id"]) for m in members}
+    if members:
+        returns = [m["episode_return"] for m in members]
+        advantages = grpo_advantages(returns, config.eps)  # DeepSeekMath s4.1.2
+        mean, std = group_stats(returns)
+        group_id = f"{tid}/{state['closed_groups']}"
+        state["closed_groups"] += 1
+        for m, adv in zip(members, advantages):
+            calls = [store[store_key(tid, m["rollout_id"], m["attempt_id"], s)] for s in m["spans"]]
+            for tr in sorted(calls, key=lambda t: t["call_index"]):
+                out.samples.append({
+                    "schema_version": 1, "transition": tr, "advantage": adv,
+                    "group_id": group_id, "group_rollouts": len(members),
+                    "group_mean": mean, "group_std": std,
+                })
+    for key in sorted(g["members"]):
+        m = g["members"][key]
+        if (m["rollout_id"], m["attempt_id"]) in chosen:
+            continue
+        if m["completed"] is None:
+            reason, why = dl.GROUP_INCOMPLETE, f"{len(m['spans'])}/{m['count']} transitions at close"
+        else:
+            reason, why = dl.SUPERSEDED_ATTEMPT, "another attempt of this rollout is in the group"
+        for s in m["spans"]:
+            out.dead_letters.append(_dead(reason, store[store_key(tid, m["rollout_id"], m["attempt_id"], s)],
+                                          now_ms, why))
+    for m in g["members"].values():
+        for s in m["spans"]:
+            store.pop(store_key(tid, m["rollout_id"], m["attempt_id"], s), None)
+    rids = sorted({m["rollout_id"] for m in g["members"].values()})
+    state["recent_closed"] = (state["recent_closed"] + rids)[-RECENT_CLOSED_MAX:]
+    state["open"] = None
+    return out
+
+
+def _dead(reason: str, transition: dict, now_ms: int, why: str) -> dict:
+    return dl.dead_letter(
+        reason, dl.GROUPER, now_ms, rollout_id=transition["rollout_id"], task_id=transition["task_id"],
+        detail=f"attempt {transition['attempt_id']} span {transition['span_id']}: {why}",
+        payload=codec.encode("transition", transition))

@@ -1,0 +1,101 @@
+from schemas import codec
+from stream_jobs import grouping
+
+S = 1000
+EPS = 1e-6
+CFG = grouping.GroupingConfig(group_timeout_s=30)
+
+
+def tr(rid, i, R, n=2, task="t1", group_size=2, attempt="a0"):
+    return {"schema_version": 1, "rollout_id": rid, "attempt_id": attempt, "span_id": f"{rid}-{attempt}-{i}",
+            "task_id": task, "group_size": group_size, "sequence_id": i, "call_index": i,
+            "rollout_transition_count": n, "agent_name": None, "model": "policy", "policy_version": 0,
+            "prompt_token_ids": [1], "completion_token_ids": [2], "behaviour_logprobs": [-0.5],
+            "episode_return": R, "reward": R, "credit_rule": "identical", "status": "succeeded"}
+
+
+def feed(state, store, records, now=0):
+    out = grouping.GroupOutcome()
+    for r in records:
+        o = grouping.add_transition(state, r, store, CFG, now)
+        out.samples += o.samples
+        out.dead_letters += o.dead_letters
+    return out
+
+
+def test_group_closes_at_group_size_with_grpo_advantages():
+    state, store = grouping.new_state("t1"), {}
+    # group_size 4, calls arrive interleaved and out of order
+    records = [tr(rid, i, R, group_size=4) for rid, i, R in [
+        ("r1", 1, 1.0), ("r2", 0, 0.0), ("r3", 0, 0.0), ("r1", 0, 1.0), ("r2", 1, 0.0), ("r3", 1, 0.0),
+        ("r4", 0, 1.0)]]
+    out = feed(state, store, records)
+    assert out.samples == []  # r4 incomplete
+    out = feed(state, store, [tr("r4", 1, 1.0, group_size=4)])
+    s = out.samples
+    assert [(x["transition"]["rollout_id"], x["transition"]["call_index"]) for x in s] == [
+        ("r1", 0), ("r1", 1), ("r2", 0), ("r2", 1), ("r3", 0), ("r3", 1), ("r4", 0), ("r4", 1)]
+    # returns [1, 0, 0, 1]: mean 0.5, population std 0.5
+    a = 0.5 / (0.5 + EPS)
+    assert [x["advantage"] for x in s] == [a, a, -a, -a, -a, -a, a, a]
+    assert {(x["group_id"], x["group_rollouts"], x["group_mean"], x["group_std"]) for x in s} == {
+        ("t1/0", 4, 0.5, 0.5)}
+    for x in s:
+        assert codec.decode("sample", codec.encode("sample", x)) == x
+    assert store == {} and state["open"] is None and state["closed_groups"] == 1
+
+
+def test_duplicate_transition_counted_once():
+    state, store = grouping.new_state("t1"), {}
+    out = feed(state, store, [tr("r1", 0, 1.0), tr("r1", 0, 1.0), tr("r2", 0, 0.0), tr("r2", 1, 0.0)])
+    assert out.samples == []  # r1 has 1 of 2
+    out = feed(state, store, [tr("r1", 1, 1.0)])
+    assert len(out.samples) == 4
+    a = 0.5 / (0.5 + EPS)
+    assert [x["advantage"] for x in out.samples] == [a, a, -a, -a]
+
+
+def test_second_group_for_same_task_after_close():
+    state, store = grouping.new_state("t1"), {}
+    first = feed(state, store, [tr("r1", 0, 1.0, n=1), tr("r2", 0, 0.0, n=1)])
+    assert {x["group_id"] for x in first.samples} == {"t1/0"}
+    late = feed(state, store, [tr("r1", 0, 1.0, n=1)])
+    assert [d["reason"] for d in late.dead_letters] == ["group_closed"]
+    second = feed(state, store, [tr("r3", 0, 3.0, n=1), tr("r4", 0, 1.0, n=1)])
+    assert {x["group_id"] for x in second.samples} == {"t1/1"}
+    assert [x["advantage"] for x in second.samples] == [1 / (1 + EPS), -1 / (1 + EPS)]
+    assert second.samples[0]["group_mean"] == 2.0 and second.samples[0]["group_std"] == 1.0
+
+
+def test_timeout_closes_with_complete_rollouts_and_dead_letters_the_rest():
+    state, store = grouping.new_state("t1"), {}
+    feed(state, store, [tr("r1", 0, 1.0, group_size=3), tr("r1", 1, 1.0, group_size=3),
+                        tr("r2", 0, 0.0, group_size=3), tr("r2", 1, 0.0, group_size=3),
+                        tr("r3", 0, 5.0, group_size=3)], now=0)
+    early = grouping.advance(state, store, CFG, 29 * S)
+    assert early.samples == [] and early.dead_letters == []
+    out = grouping.advance(state, store, CFG, 30 * S)
+    assert [x["transition"]["rollout_id"] for x in out.samples] == ["r1", "r1", "r2", "r2"]
+    assert {x["group_rollouts"] for x in out.samples} == {2}
+    assert [(d["reason"], d["rollout_id"], d["stage"]) for d in out.dead_letters] == [
+        ("group_incomplete", "r3", "grouper")]
+    assert codec.decode("transition", out.dead_letters[0]["payload"])["span_id"] == "r3-a0-0"
+    assert store == {}
+
+
+def test_group_of_one_after_timeout_has_zero_advantage():
+    state, store = grouping.new_state("t1"), {}
+    feed(state, store, [tr("r1", 0, 1.0, n=1)], now=0)
+    out = grouping.advance(state, store, CFG, 30 * S)
+    assert [(x["advantage"], x["group_rollouts"], x["group_std"]) for x in out.samples] == [(0.0, 1, 0.0)]
+
+
+def test_second_attempt_of_same_rollout_is_superseded():
+    state, store = grouping.new_state("t1"), {}
+    out = feed(state, store, [tr("r1", 0, 1.0, n=1, group_size=3), tr("r1", 0, 0.0, n=1, group_size=3, attempt="a1"),
+                              tr("r2", 0, 0.0, n=1, group_size=3)])
+    assert out.samples == []  # two distinct rollouts of three
+    out = grouping.advance(state, store, CFG, 30 * S)
+    assert [(x["transition"]["rollout_id"], x["transition"]["attempt_id"]) for x in out.samples] == [
+        ("r1", "a0"), ("r2", "a0")]
+    assert [(d["reason"], d["rollout_id"]) for d in out.dead_letters] == [("superseded_attempt", "r1")]
