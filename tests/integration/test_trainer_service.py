@@ -147,5 +147,6 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path):
         finally:
             await admin.delete_topics([samples_topic, ckpt_topic])
             await admin.close()
-            for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
-                minio.remove_object(s.checkpoint_bucket, o.object_name)
+            if minio.bucket_exists(s.checkpoint_bucket):
+                for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
+                    minio.remove_object(s.checkpoint_bucket, o.object_name)

@@ -1,0 +1,239 @@
+"""Calculator math agent (the paper's Math QA setup) written with AutoGen AgentChat.
+
+The policy model (SmolLM2-135M-Instruct behind vLLM / the spanrl proxy) has no
+server-side tool calling, so the calculator is a *text tool protocol* run inside
+the agent:
+
+1. The system prompt tells the model to write ``<calc>EXPRESSION</calc>`` to use the
+   calculator and to finish with ``Answer: <number>``.
+2. After each model reply:
+   * if it contains ``Answer: <number>`` (or ``#### <number>``) the episode ends;
+   * else if it contains ``<calc>…</calc>`` tags, each expression (at most 4) is
+     evaluated by :func:`calc.calculate` (ast-based, numbers and ``+ - * / // % **``
+     only) and the results go back as the next user message
+     ``<result>VALUE</result>`` (one per tag; errors as ``<result>error: …</result>``);
+   * else the agent asks once more for the final line (:data:`NUDGE`).
+3. At most ``max_turns`` (default 3) model calls per episode. The last model reply
+   is the final text, scored by :func:`reward.reward`.
+
+Every request carries the header ``x-spanrl-agent: math-agent`` so the spanrl proxy
+records which agent made the call; sampling is ``temperature=1.0``,
+``max_tokens=128`` (exploration for RL, short for the 2k context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import re
+import time
+from typing import Any
+
+from autogen_agentchat.agents import AssistantAgent
+from autogen_agentchat.messages import TextMessage
+from autogen_core import CancellationToken
+from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+from .calc import calculate
+from .reward import extract_answer, reward
+from .tasks import short_question
+
+AGENT_NAME = "math-agent"
+AGENT_HEADER = "x-spanrl-agent"
+MODEL = "policy"
+MAX_TURNS = 3
+MAX_TOKENS = 128
+TEMPERATURE = 1.0
+MAX_CALCS_PER_REPLY = 4
+
+SYSTEM_PROMPT = (
+    "You are a math assistant. To compute, write <calc>EXPRESSION</calc>. "
+    "Finish with a line: Answer: <number>\n"
+    "Example:\n"
+    "Question: Tom has 3 bags of 12 apples and eats 5. How many are left?\n"
+    "<calc>3*12-5</calc>\n"
+    "<result>31</result>\n"
+    "Answer: 31"
+)
+NUDGE = "What is the final answer? Reply exactly as: Answer: <number>"
+
+CALC_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL | re.IGNORECASE)
+
+MODEL_INFO = {
+    "vision": False,
+    "function_calling": False,
+    "json_output": False,
+    "family": "unknown",
+    "structured_output": False,
+}
+
+
+def user_prompt(task: dict[str, Any]) -> str:
+    return f"Question: {short_question(task)}\nEnd with: Answer: <number>"
+
+
+def tool_reply(text: str) -> str | None:
+    """The ``<result>…</result>`` message for the ``<calc>`` tags in ``text`` (None if none)."""
+    exprs = CALC_RE.findall(text)[:MAX_CALCS_PER_REPLY]
+    if not exprs:
+        return None
+    return "\n".join(f"<result>{calculate(e)}</result>" for e in exprs)
+
+
+def make_client(base_url: str, **overrides: Any) -> OpenAIChatCompletionClient:
+    """OpenAI-compatible client for the policy.
+
+    autogen-ext 0.7.5: constructor keys that are OpenAI ``chat.completions.create``
+    parameters (``temperature``, ``max_tokens``, …) become default create args of
+    every call; keys that are ``AsyncOpenAI(...)`` keyword arguments
+    (``default_headers``, ``base_url``, ``http_client``, ``max_retries``) go to the
+    underlying openai client, so ``default_headers`` is sent on every request.
+    """
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        base_url=base_url,
+        api_key="spanrl",
+        model_info=MODEL_INFO,
+        temperature=TEMPERATURE,
+        max_tokens=MAX_TOKENS,
+        default_headers={AGENT_HEADER: AGENT_NAME},
+        include_name_in_message=False,
+        max_retries=0,  # a failed call fails the rollout; the runner records it
+    )
+    kwargs.update(overrides)
+    return OpenAIChatCompletionClient(**kwargs)
+
+
+async def run_episode(
+    task: dict[str, Any],
+    base_url: str,
+    *,
+    max_turns: int = MAX_TURNS,
+    **client_overrides: Any,
+) -> dict[str, Any]:
+    """Run one episode of ``task`` against ``base_url``; score the final text.
+
+    Returns ``{"reward", "components", "final_text", "calls", "transcript",
+    "tool_calls", "tool_errors"}``. ``client_overrides`` go to
+    :func:`make_client` (tests pass an ``http_client`` with a mock transport).
+    """
+    client = make_client(base_url, **client_overrides)
+    agent = AssistantAgent(
+        name="math_agent",
+        model_client=client,
+        system_message=SYSTEM_PROMPT,
+        description="Solves GSM-style word problems with a text calculator tool.",
+    )
+    token = CancellationToken()
+    transcript: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    message = user_prompt(task)
+    final_text = ""
+    calls = tool_calls = tool_errors = 0
+    try:
+        while calls < max_turns:
+            transcript.append({"role": "user", "content": message})
+            response = await agent.on_messages([TextMessage(content=message, source="user")], token)
+            calls += 1
+            final_text = str(response.chat_message.content)
+            transcript.append({"role": "assistant", "content": final_text})
+            if extract_answer(final_text) is not None or calls >= max_turns:
+                break
+            results = tool_reply(final_text)
+            if results is not None:
+                n = len(CALC_RE.findall(final_text)[:MAX_CALCS_PER_REPLY])
+                tool_calls += n
+                tool_errors += results.count("<result>error:")
+                message = results
+            else:
+                message = NUDGE
+    finally:
+        await client.close()
+    value, components = reward(final_text, task)
+    return {
+        "reward": value,
+        "components": components,
+        "final_text": final_text,
+        "calls": calls,
+        "tool_calls": tool_calls,
+        "tool_errors": tool_errors,
+        "transcript": transcript,
+    }
+
+
+def _run_sync(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside a running loop (e.g. an async runner): use a fresh thread.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def math_agent_async(ctx: Any) -> dict:
+    """Async form of :func:`math_agent`."""
+    result = await run_episode(ctx.task, ctx.base_url)
+    ctx.emit_reward(result["reward"], final=True, **result["components"])
+    return result
+
+
+def math_agent(ctx: Any) -> dict:
+    """spanrl runner callable: ``ctx.task`` is the task dict, ``ctx.base_url`` the
+    per-rollout OpenAI base URL. Emits the final reward (with its components) itself and
+    returns the episode dict (not a float, so the runner does not emit it a second time)."""
+    result = _run_sync(run_episode(ctx.task, ctx.base_url))
+    ctx.emit_reward(result["reward"], final=True, **result["components"])
+    return result
+
+
+async def _main() -> None:
+    from .tasks import load_tasks
+
+    ap = argparse.ArgumentParser(description="Run math-agent episodes against an OpenAI-compatible server.")
+    ap.add_argument("--base-url", default="http://127.0.0.1:18000/v1")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-n", "--episodes", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="print every transcript")
+    args = ap.parse_args()
+
+    tasks = load_tasks(seed=args.seed, size=args.episodes)
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(t: dict[str, Any]) -> dict[str, Any]:
+        async with sem:
+            t0 = time.perf_counter()
+            r = await run_episode(t, args.base_url)
+            r["seconds"] = time.perf_counter() - t0
+            r["task_id"] = t["task_id"]
+            r["answer"] = t["answer"]
+            return r
+
+    results = await asyncio.gather(*(one(t) for t in tasks))
+    for r in results:
+        line = {k: r[k] for k in ("task_id", "answer", "reward", "components", "calls", "tool_calls", "tool_errors")}
+        line["seconds"] = round(r["seconds"], 2)
+        print(json.dumps(line))
+        if args.verbose:
+            for m in r["transcript"]:
+                print(f"  [{m['role']}] {m['content']}")
+    n = len(results)
+    print(
+        json.dumps(
+            {
+                "episodes": n,
+                "mean_reward": sum(r["reward"] for r in results) / n,
+                "format_rate": sum(r["components"]["format"] for r in results) / n,
+                "correct_rate": sum(r["components"]["correct"] for r in results) / n,
+                "mean_calls": sum(r["calls"] for r in results) / n,
+                "episodes_with_tool_call": sum(r["tool_calls"] > 0 for r in results),
+                "mean_seconds": sum(r["seconds"] for r in results) / n,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

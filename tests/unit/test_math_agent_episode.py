@@ -1,0 +1,136 @@
+"""The math agent's episode loop against a scripted, in-process OpenAI endpoint.
+
+No server: an httpx.MockTransport answers /chat/completions with scripted replies
+and records every request, so we can check the text tool protocol, the header
+``x-spanrl-agent: math-agent``, the create args and the emitted reward.
+"""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from producers.runner import RolloutContext
+
+from examples.math_agent import agent as ma
+
+TASK = {
+    "task_id": "gsm_symbolic-0-0",
+    "question": "Tom has 3 bags of 12 apples and eats 5. How many are left? "
+    "Give the result as your final answer. Do not include units.",
+    "answer": "31",
+    "metadata": {},
+}
+
+
+def scripted(replies):
+    requests = []
+    replies = list(replies)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path.endswith("/chat/completions")
+        requests.append({"url": str(request.url), "headers": dict(request.headers), "body": json.loads(request.content)})
+        content = replies.pop(0)
+        return httpx.Response(
+            200,
+            json={
+                "id": f"cmpl-{len(requests)}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "policy",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            },
+        )
+
+    return requests, handler
+
+
+def run(replies, **kw):
+    requests, handler = scripted(replies)
+    http_client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    result = asyncio.run(ma.run_episode(TASK, "http://proxy.test/r/abc/v1", http_client=http_client, **kw))
+    return result, requests
+
+
+def test_calc_then_answer():
+    result, reqs = run(["Compute: <calc>3*12-5</calc>", "Answer: 31"])
+    assert result["reward"] == 1.0
+    assert result["components"] == {"correct": 1.0, "format": 1.0}
+    assert result["calls"] == 2 and result["tool_calls"] == 1 and result["tool_errors"] == 0
+    assert result["final_text"] == "Answer: 31"
+    # the tool result went back as the next user message
+    second = reqs[1]["body"]["messages"]
+    assert second[0]["role"] == "system" and "<calc>" in second[0]["content"]
+    assert second[-1] == {"role": "user", "content": "<result>31</result>"}
+    assert second[-2]["role"] == "assistant" and "<calc>3*12-5</calc>" in second[-2]["content"]
+    assert [m["role"] for m in result["transcript"]] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_every_request_has_agent_header_and_sampling_args():
+    _, reqs = run(["<calc>1+1</calc>", "no idea", "Answer: 2"])
+    assert len(reqs) == 3
+    for r in reqs:
+        assert r["url"] == "http://proxy.test/r/abc/v1/chat/completions"  # the per-rollout base_url
+        assert r["headers"]["x-spanrl-agent"] == "math-agent"
+        assert r["body"]["model"] == "policy"
+        assert r["body"]["temperature"] == 1.0
+        assert r["body"]["max_tokens"] == 128
+        assert "tools" not in r["body"]
+        assert all("name" not in m for m in r["body"]["messages"])
+    first_user = reqs[0]["body"]["messages"][-1]["content"]
+    assert first_user.startswith("Question: Tom has 3 bags")
+    assert "Give the result as your final answer" not in first_user
+
+
+def test_nudge_then_max_turns():
+    result, reqs = run(["I think 30", "still thinking", "maybe 31"])
+    assert result["calls"] == 3 == len(reqs)
+    assert reqs[1]["body"]["messages"][-1]["content"] == ma.NUDGE
+    assert result["final_text"] == "maybe 31"
+    assert result["reward"] == 0.0
+
+
+def test_answer_ends_episode_even_with_calc_and_tool_errors():
+    result, reqs = run(["<calc>x*2</calc> <calc>2**1000</calc>", "Answer: 30 <calc>1</calc>"])
+    assert reqs[1]["body"]["messages"][-1]["content"] == (
+        "<result>error: names are not allowed: x</result>\n<result>error: exponent too large</result>"
+    )
+    assert result["calls"] == 2 and result["tool_calls"] == 2 and result["tool_errors"] == 2
+    assert result["reward"] == 0.1
+
+
+def test_max_turns_one():
+    result, reqs = run(["<calc>3*12-5</calc>"], max_turns=1)
+    assert result["calls"] == 1 and len(reqs) == 1 and result["reward"] == 0.0
+
+
+@pytest.mark.parametrize("inside_loop", [False, True])
+def test_runner_callable_emits_reward(monkeypatch, inside_loop):
+    requests, handler = scripted(["Answer: 31"])
+    real = ma.make_client
+
+    def make_client(base_url, **kw):
+        return real(base_url, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)), **kw)
+
+    monkeypatch.setattr(ma, "make_client", make_client)
+    ctx = RolloutContext(TASK, TASK["task_id"], "xyz", "0", "http://proxy.test/rollouts/xyz/attempts/0/v1")
+    if inside_loop:  # the sync wrapper must also work when called from a running loop
+
+        async def call():
+            return ma.math_agent(ctx)
+
+        value = asyncio.run(call())
+    else:
+        value = ma.math_agent(ctx)
+    assert value["reward"] == 1.0
+    assert [(r["value"], r["final"], r["components"]) for r in ctx.rewards] == [
+        (1.0, True, {"correct": 1.0, "format": 1.0})]
+    assert requests[0]["headers"]["x-spanrl-agent"] == "math-agent"
