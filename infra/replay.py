@@ -1,0 +1,190 @@
+"""Replay: rebuild transitions and samples from the stored topics under a new credit
+rule, into new topics, then optionally train a new run from a chosen checkpoint.
+
+The Kafka log is the source of truth (spans, rewards and rollouts are kept forever), so
+a replay is the same Faust job run again as a new consumer group (a new app id) that
+starts at the beginning of the inputs, or at the first offsets at or after a timestamp
+(Kafka ListOffsets by time, ``offsets_for_times``), and writes to
+``transitions.<suffix>`` / ``samples.<suffix>`` / ``dead-letter.<suffix>``. The
+original topics are never written.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from infra.settings import Settings, get_settings
+from infra.stack import ROOT, ensure_topics
+from schemas import topics as T
+
+INPUTS = (T.SPANS, T.REWARDS, T.ROLLOUTS)
+
+
+@dataclass
+class ReplayConfig:
+    """suffix: names the output topics and the replay's app id; credit_rule: see
+    stream_jobs.credit.parse_credit_rule; since_ms: replay from this time (None: from the
+    beginning); train_from: ``RUN:VERSION`` checkpoint to train a new run from (None: no
+    training); train_updates: updates of that training."""
+
+    suffix: str
+    credit_rule: str = "identical"
+    since_ms: int | None = None
+    train_from: str | None = None
+    train_updates: int = 1
+    timeout_s: float = 600.0
+    quiet_s: float = 8.0
+
+
+def output_topics(suffix: str) -> tuple[T.Topic, T.Topic, T.Topic]:
+    """(transitions, samples, dead-letter) topics of a replay."""
+    return T.derived(T.TRANSITIONS, suffix), T.derived(T.SAMPLES, suffix), T.derived(T.DEAD_LETTER, suffix)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _input_ends(s: Settings) -> dict[TopicPartition, int]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        parts = [TopicPartition(t.name, p) for t in INPUTS for p in range(t.partitions)]
+        return await consumer.end_offsets(parts)
+    finally:
+        await consumer.stop()
+
+
+async def _seek_group_to_time(s: Settings, group: str, since_ms: int) -> None:
+    """Commit, for consumer group ``group``, the first offset at/after ``since_ms`` on each input."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(t.name, p) for t in INPUTS for p in range(t.partitions)]
+        consumer.assign(parts)
+        found = await consumer.offsets_for_times({tp: since_ms for tp in parts})
+        ends = await consumer.end_offsets(parts)
+        await consumer.commit({tp: (found[tp].offset if found[tp] else ends[tp]) for tp in parts})
+    finally:
+        await consumer.stop()
+
+
+async def _group_caught_up(s: Settings, group: str, ends: dict[TopicPartition, int]) -> bool:
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    for tp, end in ends.items():
+        if end == 0:
+            continue
+        meta = committed.get(tp)
+        # transactional markers take an offset each: committed may be end or beyond
+        if meta is None or meta.offset < end:
+            return False
+    return True
+
+
+async def _count(s: Settings, topic: T.Topic) -> int:
+    consumer = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed",
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+        consumer.assign(parts)
+        for tp in parts:
+            consumer.seek_to_beginning(tp)
+        ends = await consumer.end_offsets(parts)
+        n = 0
+        while any(await consumer.position(tp) < ends[tp] for tp in parts):
+            batch = await consumer.getmany(timeout_ms=500, max_records=10000)
+            n += sum(len(v) for v in batch.values())
+            if not batch:
+                break
+        return n
+    finally:
+        await consumer.stop()
+
+
+def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> dict:
+    """Run the replay described by ``cfg``; returns counts and, if trained, the new run.
+
+    Raises RuntimeError if the replay worker exits or does not catch up in ``timeout_s``.
+    """
+    s = settings or get_settings()
+    transitions, samples, dead = output_topics(cfg.suffix)
+    app_id = f"spanrl-replay-{cfg.suffix}"
+    asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead)))
+    ends = asyncio.run(_input_ends(s))
+    if cfg.since_ms is not None:
+        asyncio.run(_seek_group_to_time(s, app_id, cfg.since_ms))
+    state = (ROOT / s.state_dir).resolve()
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           "SPANRL_STREAM_APP_ID": app_id, "SPANRL_CREDIT_RULE": cfg.credit_rule,
+           "SPANRL_TRANSITIONS_TOPIC": transitions.name, "SPANRL_SAMPLES_TOPIC": samples.name,
+           "SPANRL_DEAD_LETTER_TOPIC": dead.name, "SPANRL_FAUST_WEB_PORT": str(_free_port()),
+           "SPANRL_GROUP_TIMEOUT_S": os.environ.get("SPANRL_GROUP_TIMEOUT_S", "30")}
+    log_path = state / "logs" / f"replay-{cfg.suffix}.log"
+    t0 = time.monotonic()
+    with open(log_path, "ab") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+                                  cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + cfg.timeout_s
+        while not asyncio.run(_group_caught_up(s, app_id, ends)):
+            if worker.poll() is not None:
+                raise RuntimeError(f"replay worker exited {worker.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replay did not catch up in {cfg.timeout_s}s; see {log_path}")
+            time.sleep(1.0)
+        log(f"replay consumed the inputs ({time.monotonic() - t0:.1f}s); waiting for groups to close")
+        last, stable_since = None, time.monotonic()
+        while time.monotonic() - stable_since < cfg.quiet_s and time.monotonic() < deadline:
+            now = (asyncio.run(_count(s, samples)), asyncio.run(_count(s, dead)))
+            if now != last:
+                last, stable_since = now, time.monotonic()
+            time.sleep(1.0)
+    finally:
+        os.killpg(worker.pid, 15)
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, 9)
+    result = {"suffix": cfg.suffix, "credit_rule": cfg.credit_rule, "app_id": app_id,
+              "transitions_topic": transitions.name, "samples_topic": samples.name,
+              "transitions": asyncio.run(_count(s, transitions)), "samples": asyncio.run(_count(s, samples)),
+              "dead_letters": asyncio.run(_count(s, dead)), "replay_s": round(time.monotonic() - t0, 1)}
+    if cfg.train_from:
+        result["training"] = train_replayed(cfg, samples.name, s, log)
+    return result
+
+
+def train_replayed(cfg: ReplayConfig, samples_topic: str, s: Settings, log=print) -> dict:
+    """Train run ``replay-<suffix>`` from checkpoint ``cfg.train_from`` on the replayed samples."""
+    run = f"replay-{cfg.suffix}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "SPANRL_TRAINER_RUN": run, "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
+           "SPANRL_TRAINER_INIT_FROM": cfg.train_from, "SPANRL_TRAINER_START": "earliest",
+           "SPANRL_TRAINER_MAX_UPDATES": str(cfg.train_updates), "SPANRL_TRAINER_HTTP": "false",
+           "SPANRL_TRAINER_IDLE_FLUSH_S": "3"}
+    log(f"training run {run} from {cfg.train_from} on {samples_topic}")
+    state = (ROOT / s.state_dir).resolve()
+    with open(state / "logs" / f"trainer-{run}.log", "ab") as out:
+        rc = subprocess.call([sys.executable, "-m", "trainer.train"], cwd=ROOT, env=env, stdout=out,
+                             stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
+    if rc != 0:
+        raise RuntimeError(f"replay training exited {rc}; see {state / 'logs' / f'trainer-{run}.log'}")
+    return {"run": run, "from": cfg.train_from, "updates": cfg.train_updates}

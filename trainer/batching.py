@@ -1,0 +1,102 @@
+"""Sample records -> right-padded training tensors. Pure; no re-tokenisation, ever.
+
+A Sample (schemas/avro/sample.v1.avsc) holds the exact token ids vLLM consumed
+(``prompt_token_ids``) and produced (``completion_token_ids``) with the behaviour
+log-prob of each completion token. Sequence i of a batch is
+``prompt_i + completion_i``; completion token j sits at position ``P_i + j``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class BadSample(ValueError):
+    """A sample that cannot be trained on; ``reason`` is a short code for logs/counters."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class Batch:
+    """Right-padded batch; B sequences, T = longest ``len(prompt) + len(completion)``.
+
+    input_ids          [B, T] long   prompt + completion ids, ``pad_token_id`` after
+    attention_mask     [B, T] long   1 on real tokens
+    completion_mask    [B, T] float  1.0 on completion tokens only
+    behaviour_logprobs [B, T] float  log-prob under the behaviour policy at completion
+                                     positions, 0 elsewhere
+    advantages         [B, T] float  the sample's advantage at completion positions, 0 elsewhere
+    returns            [B]    float  episode_return of each sample (for logging)
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def check_sample(sample: dict, max_tokens: int | None = None) -> None:
+    """Raise :class:`BadSample` when a Sample cannot be trained on."""
+    t = sample["transition"]
+    n = len(t["completion_token_ids"])
+    if n == 0:
+        raise BadSample("empty_completion", "no completion tokens")
+    if len(t["behaviour_logprobs"]) != n:
+        raise BadSample("logprob_mismatch",
+                        f"{len(t['behaviour_logprobs'])} behaviour log-probs for {n} completion tokens")
+    if not t["prompt_token_ids"]:
+        raise BadSample("empty_prompt", "no prompt tokens")
+    total = len(t["prompt_token_ids"]) + n
+    if max_tokens is not None and total > max_tokens:
+        raise BadSample("oversize", f"{total} tokens > max_tokens {max_tokens}")
+
+
+def collate(samples: list[dict], pad_token_id: int = 0, advantages: list[float] | None = None) -> Batch:
+    """Stack Sample dicts into a :class:`Batch`.
+
+    ``advantages`` overrides each sample's ``advantage`` (e.g. REINFORCE++ batch
+    normalisation); default: the sample's own GRPO advantage.
+    """
+    B = len(samples)
+    if B == 0:
+        raise ValueError("collate needs at least one sample")
+    lengths = [len(s["transition"]["prompt_token_ids"]) + len(s["transition"]["completion_token_ids"]) for s in samples]
+    T = max(lengths)
+    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    completion_mask = torch.zeros((B, T), dtype=torch.float32)
+    behaviour = torch.zeros((B, T), dtype=torch.float32)
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    returns = torch.zeros(B, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        t = s["transition"]
+        P, C = len(t["prompt_token_ids"]), len(t["completion_token_ids"])
+        input_ids[i, :P + C] = torch.tensor(list(t["prompt_token_ids"]) + list(t["completion_token_ids"]))
+        attention_mask[i, :P + C] = 1
+        completion_mask[i, P:P + C] = 1.0
+        behaviour[i, P:P + C] = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
+        a = s["advantage"] if advantages is None else advantages[i]
+        adv[i, P:P + C] = float(a)
+        returns[i] = float(t["episode_return"])
+    return Batch(input_ids, attention_mask, completion_mask, behaviour, adv, returns)
+
+
+def micro_batches(samples: list, size: int) -> list[list]:
+    """Consecutive chunks of at most ``size`` samples (bounds activation memory)."""
+    if size < 1:
+        raise ValueError("micro-batch size must be >= 1")
+    return [samples[i:i + size] for i in range(0, len(samples), size)]

@@ -1,0 +1,113 @@
+"""RL losses of the trainer: pure torch functions over padded batches.
+
+Algorithm logic only (no DeepSpeed, no Kafka). Every tensor is right-padded
+``[B, T]`` (B sequences, T positions of ``prompt + completion`` tokens) with a float
+``completion_mask`` that is 1.0 exactly at completion-token positions. Position ``t``
+of a log-prob tensor holds ``log pi(input_ids[t] | input_ids[:t])``.
+
+Token-mean convention: a loss is the sum over every completion token of the batch
+divided by ``normaliser`` (default: the number of completion tokens in the batch,
+``completion_mask.sum()``), i.e. a mean over all completion tokens of the batch, not
+a mean of per-sequence means (DAPO, arXiv 2503.14476 s3.3 "token-level loss"). To
+accumulate gradients over micro-batches pass the token count of the whole update as
+``normaliser`` so the micro-batch losses add up to the token mean of the update.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of ``x`` over ``mask`` divided by ``normaliser`` (default ``mask.sum()``, at least 1)."""
+    if normaliser is None:
+        normaliser = mask.sum().clamp(min=1.0)
+    return masked_sum(x, mask) / normaliser
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the tokens actually in ``input_ids`` under ``logits``.
+
+    logits ``[B, T, V]`` (position t predicts token t+1), input_ids ``[B, T]``,
+    completion_mask ``[B, T]``. Returns ``[B, T]`` float32: entry ``t`` is
+    ``log softmax(logits[t-1])[input_ids[t]]`` where the mask is 1, else 0 (position 0
+    has no prediction and is never a completion token).
+    """
+    # log pi(x_t | x_<t) = logit_{t-1}[x_t] - logsumexp(logit_{t-1})
+    shifted = logits[:, :-1, :].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    logp = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
+    out = F.pad(logp, (1, 0), value=0.0)
+    return out * completion_mask
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    normaliser: float | torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO-clip / GRPO surrogate, token mean over the batch (see module doc).
+
+    All inputs ``[B, T]``; ``advantages`` is the sequence advantage broadcast per token.
+    With ``kl_coef > 0`` and ``ref_logp`` adds ``kl_coef * k3(pi || pi_ref)`` per token.
+    """
+    # PPO clipped objective: Schulman et al. 2017 (arXiv 1707.06347) eq. 7;
+    # GRPO: Shao et al. 2024 (arXiv 2402.03300) eq. 3, ratio against the behaviour
+    # policy that generated the tokens (vLLM's log-probs).
+    ratio = torch.exp(logp - behaviour_logp)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.max(pg_loss1, pg_loss2)
+    if kl_coef and ref_logp is not None:
+        # GRPO eq. 4: unbiased k3 estimator of KL(pi_theta || pi_ref)
+        log_ref_ratio = ref_logp - logp
+        per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+    return masked_mean(per_token, completion_mask, normaliser)
+
+
+def approx_kl(logp: torch.Tensor, behaviour_logp: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of the k3 estimator of KL(behaviour || current)."""
+    # k3 = (r - 1) - log r: J. Schulman, "Approximating KL Divergence" (2020 blog); CleanRL ppo.py
+    log_ratio = logp - behaviour_logp
+    ratio = torch.exp(log_ratio)
+    return masked_mean((ratio - 1.0) - log_ratio, completion_mask)
+
+
+def clip_fraction(logp: torch.Tensor, behaviour_logp: torch.Tensor, completion_mask: torch.Tensor,
+                  clip_eps: float = 0.2) -> torch.Tensor:
+    """Fraction of completion tokens whose ratio lies outside ``[1-eps, 1+eps]`` (CleanRL ``clipfracs``)."""
+    ratio = torch.exp(logp - behaviour_logp)
+    return masked_mean(((ratio - 1.0).abs() > clip_eps).float(), completion_mask)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: list, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantages: ``(r - mean_group) / (std_group + eps)`` (arXiv 2402.03300 s4.1.2).
+
+    rewards ``[N]``; group_ids: N hashable labels. Population std (ddof 0). The stream
+    jobs compute this for real samples; the trainer uses it only in tests/replays.
+    """
+    out = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in set(group_ids):
+        idx = torch.tensor([i for i, x in enumerate(group_ids) if x == g])
+        r = rewards[idx].float()
+        out[idx] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+    return out
+
+
+def reinforce_pp_advantages(returns: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ advantages: returns normalised over the whole batch, no critic, no groups.
+
+    Hu et al. 2025 (arXiv 2501.03262) s3.2 "advantage normalization" (global batch).
+    The per-token KL-in-reward term of the paper is left to ``ppo_clip_loss(kl_coef=)``.
+    """
+    r = returns.float()
+    return (r - r.mean()) / (r.std(unbiased=False) + eps)

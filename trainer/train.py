@@ -1,0 +1,506 @@
+"""The trainer service: samples topic -> DeepSpeed policy update -> checkpoint in MinIO -> checkpoints topic.
+
+Reads top to bottom: config, engine, one update (algorithm), checkpointing, the
+service loop (plumbing), HTTP status, CLI. Run: ``python -m trainer.train --run NAME``.
+
+Promises
+- Every update is one optimizer step over all buffered samples (micro-batched with
+  gradient accumulation; the loss is the token mean over the whole update).
+- Each checkpoint manifest records ``trained_offsets`` = next offset per samples
+  partition; on start the trainer loads the latest checkpoint of its run and seeks
+  there, so no sample is trained twice or skipped (Adam moments restart at zero on
+  resume: only HF weights are checkpointed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from infra.settings import get_settings
+from trainer import batching, checkpoint, losses
+
+log = logging.getLogger("spanrl.trainer")
+
+# Files save_pretrained writes itself; every other file of the base dir (tokenizer,
+# chat template, generation config, ...) is copied into each checkpoint.
+_MODEL_FILES = {"config.json", "model.safetensors", "model.safetensors.index.json", checkpoint.MANIFEST}
+
+
+class TrainerConfig(BaseSettings):
+    """Trainer knobs; each can be set as ``SPANRL_TRAINER_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="SPANRL_TRAINER_", extra="ignore")
+
+    run: str | None = None  # default: settings.run
+    base_dir: Path | None = None  # default: settings.model_dir
+    samples_topic: str = "samples"
+    checkpoints_topic: str = "checkpoints"
+    algorithm: str = "grpo"  # grpo: use each sample's group advantage; reinforce_pp: batch-normalised returns
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # KL to the behaviour policy is not used; ref-model KL is not loaded (0 = off)
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    min_batch: int = 16
+    max_batch: int = 64
+    idle_flush_s: float = 10.0
+    micro_batch: int = 8
+    max_tokens: int = 4096
+    checkpoint_every: int = 1
+    start: str = "earliest"  # where a run with no checkpoint starts reading samples: earliest|latest
+    max_updates: int | None = None  # stop after this many updates (tests, benchmarks)
+    log_path: Path | None = None  # JSON lines; default: settings.state_dir/trainer-<run>.jsonl
+    http: bool = True
+    seed: int = 0
+
+
+# ---- engine ---------------------------------------------------------------------------
+
+def init_distributed() -> None:
+    """Single-process torch.distributed for DeepSpeed (gloo on CPU, nccl on GPU)."""
+    import deepspeed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(get_settings().cache_dir / "torch_extensions"))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float) -> dict:
+    """DeepSpeed config: ZeRO-2. GPU: bf16 + FusedAdam (the "AdamW" optimizer block) as in
+    trainer/ds_config_gpu.json. CPU: fp32, the optimizer is passed in by build_engine."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,  # accumulation is driven explicitly in train_update
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if torch.cuda.is_available():
+        cfg["bf16"] = {"enabled": True}
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                        "weight_decay": weight_decay}}
+    return cfg
+
+
+def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, micro_batch: int = 8,
+                 grad_clip: float = 1.0):
+    """Wrap ``model`` in a DeepSpeed ZeRO-2 engine (the one function tests and the service use).
+
+    CPU: fp32 with DeepSpeedCPUAdam (JIT-built once into TORCH_EXTENSIONS_DIR); if that
+    build fails, torch.optim.AdamW (logged).
+    """
+    import deepspeed
+
+    init_distributed()
+    cfg = deepspeed_config(micro_batch, grad_clip, lr, weight_decay)
+    optimizer = None
+    if not torch.cuda.is_available():
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, weight_decay=weight_decay, adamw_mode=True)
+        except Exception as exc:  # JIT build failure
+            log.warning("DeepSpeedCPUAdam unavailable (%s); falling back to torch.optim.AdamW", exc)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                           model_parameters=None if optimizer else model.parameters())
+    return engine
+
+
+def load_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+# ---- one update (algorithm) -----------------------------------------------------------
+
+def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
+                 pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0) -> dict:
+    """One policy update on ``samples``: ``ppo_epochs`` optimizer steps, each over all
+    samples, micro-batched; returns metrics of the update."""
+    t0 = time.perf_counter()
+    if algorithm == "reinforce_pp":
+        returns = torch.tensor([s["transition"]["episode_return"] for s in samples])
+        advantages = losses.reinforce_pp_advantages(returns).tolist()
+    elif algorithm == "grpo":
+        advantages = [s["advantage"] for s in samples]
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    chunks = [batching.collate(mb, pad_token_id, adv)
+              for mb, adv in zip(batching.micro_batches(samples, micro_batch),
+                                 batching.micro_batches(advantages, micro_batch))]
+    n_tokens = sum(b.num_completion_tokens for b in chunks)
+    device = engine.device
+    engine.train()
+    stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
+    for epoch in range(ppo_epochs):
+        epoch_stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
+        for i, b in enumerate(chunks):
+            engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+            b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
+                                                        b.behaviour_logprobs, b.advantages, b.returns)))
+            logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
+            # token mean over the whole update: normalise by the update's completion tokens
+            loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
+                                        clip_eps=clip_eps, normaliser=float(n_tokens), kl_coef=kl_coef)
+            engine.backward(loss, scale_wrt_gas=False)
+            with torch.no_grad():
+                w = b.num_completion_tokens / n_tokens
+                epoch_stats["loss"] += float(loss)
+                epoch_stats["approx_kl"] += w * float(losses.approx_kl(logp, b.behaviour_logprobs, b.completion_mask))
+                epoch_stats["clip_frac"] += w * float(losses.clip_fraction(logp, b.behaviour_logprobs,
+                                                                           b.completion_mask, clip_eps))
+            del logits, logp, loss
+        engine.step()
+        if epoch == 0:
+            stats = epoch_stats  # metrics of the first epoch: ratio vs. the behaviour policy
+    engine.set_gradient_accumulation_boundary(None)
+    dt = time.perf_counter() - t0
+    total_tokens = sum(b.num_tokens for b in chunks)
+    return {
+        **stats,
+        "mean_return": sum(s["transition"]["episode_return"] for s in samples) / len(samples),
+        "mean_reward": sum(s["transition"]["reward"] for s in samples) / len(samples),
+        "mean_advantage": sum(advantages) / len(advantages),
+        "samples": len(samples),
+        "completion_tokens": n_tokens,
+        "tokens": total_tokens,
+        "update_s": dt,
+        "tokens_per_s": total_tokens * ppo_epochs / dt,
+    }
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+
+def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> dict:
+    """Write HF safetensors + config + the base dir's tokenizer files + manifest into ``out_dir``."""
+    out_dir = Path(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    for p in Path(base_dir).iterdir():
+        if p.is_file() and p.name not in _MODEL_FILES and not (out_dir / p.name).exists():
+            shutil.copy2(p, out_dir / p.name)
+    return checkpoint.write_manifest(out_dir, **manifest_fields)
+
+
+def base_model_id(base_dir: Path) -> str:
+    """The base model's id: the manifest's base_model for a checkpoint, else infra.model.BASE_MODEL_ID."""
+    m = Path(base_dir) / checkpoint.MANIFEST
+    if m.exists():
+        return json.loads(m.read_text())["base_model"]
+    from infra.model import BASE_MODEL_ID
+
+    return BASE_MODEL_ID
+
+
+# ---- the service (plumbing) ----------------------------------------------------------
+
+@dataclass
+class TrainerState:
+    run: str
+    version: int = 0
+    step: int = 0
+    updates: int = 0
+    buffered: int = 0
+    skipped: dict = field(default_factory=dict)
+    trained_offsets: dict = field(default_factory=dict)
+    last_metrics: dict = field(default_factory=dict)
+    last_checkpoint: str | None = None
+
+
+async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]:
+    """Every CheckpointAnnouncement of ``run`` currently on ``topic`` (read_committed)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from schemas.codec import decode
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                                enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    out = []
+    try:
+        parts = await _partitions(consumer, topic)
+        if not parts:
+            return []
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        end = await consumer.end_offsets(tps)
+        await consumer.seek_to_beginning(*tps)
+        while any([await consumer.position(tp) < end[tp] for tp in tps]):
+            batch = await consumer.getmany(timeout_ms=1000)
+            for msgs in batch.values():
+                for m in msgs:
+                    if m.key is not None and m.key.decode() == run:
+                        out.append(decode("checkpoint", m.value))
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def _partitions(consumer, topic: str, wait_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return sorted(parts)
+        if time.monotonic() > deadline:
+            return []
+        await consumer._client.force_metadata_update()  # aiokafka has no public refresh
+        await asyncio.sleep(0.2)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, settings=None):
+        self.cfg = cfg
+        self.settings = settings or get_settings()
+        self.run = cfg.run or self.settings.run
+        self.base_dir = Path(cfg.base_dir or self.settings.model_dir)
+        self.state = TrainerState(run=self.run)
+        self.log_path = Path(cfg.log_path or (self.settings.state_dir / f"trainer-{self.run}.jsonl"))
+        self.minio = checkpoint.make_client(self.settings)
+        self.engine = None
+        self.model_dir = self.base_dir  # where the current weights were loaded from (tokenizer files too)
+        self._stop = asyncio.Event()
+
+    def emit(self, record: dict) -> None:
+        line = json.dumps(record, sort_keys=True)
+        print(line, flush=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as f:
+            f.write(line + "\n")
+
+    # resume ---------------------------------------------------------------------------
+    async def resume(self) -> dict | None:
+        """Load the latest checkpoint of the run (Kafka announcements and MinIO listing,
+        whichever is newer); returns its manifest or None (start from the base model)."""
+        anns = await read_announcements(self.cfg.checkpoints_topic, self.run, self.settings.kafka_bootstrap)
+        kafka_latest = max((a["version"] for a in anns), default=None)
+        store_latest = await asyncio.to_thread(checkpoint.latest_version_in_store, self.minio,
+                                               self.settings.checkpoint_bucket, self.run)
+        latest = max(v for v in (kafka_latest, store_latest, 0) if v is not None)
+        if latest == 0:
+            return None
+        uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, self.run, latest)
+        dest = self.settings.cache_dir / "trainer" / self.run / f"{latest:06d}"
+        manifest = await asyncio.to_thread(checkpoint.download_checkpoint, self.minio, uri, dest)
+        self.model_dir = dest
+        self.state.version = manifest["version"]
+        self.state.step = manifest["step"]
+        self.state.trained_offsets = dict(manifest["trained_offsets"])
+        self.emit({"event": "resume", "run": self.run, "version": latest, "uri": uri, "step": manifest["step"],
+                   "trained_offsets": manifest["trained_offsets"]})
+        if kafka_latest is None or kafka_latest < latest:
+            # uploaded but never announced (crash between the two): announce now
+            await self.announce(uri, manifest, dest)
+        return manifest
+
+    async def announce(self, uri: str, manifest: dict, ckpt_dir: Path) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        from schemas.codec import encode
+
+        record = {
+            "run": self.run, "version": manifest["version"], "uri": uri, "step": manifest["step"],
+            "parent_version": manifest["parent_version"], "manifest_sha256": checkpoint.manifest_sha256(ckpt_dir),
+            "created_ms": int(time.time() * 1000),
+            "metrics": {k: float(v) for k, v in manifest["metrics"].items() if isinstance(v, (int, float))},
+        }
+        producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True)
+        await producer.start()
+        try:
+            await producer.send_and_wait(self.cfg.checkpoints_topic, encode("checkpoint", record),
+                                         key=self.run.encode())
+        finally:
+            await producer.stop()
+
+    async def publish(self) -> None:
+        """Save, upload (manifest last) and announce version ``state.version + 1``."""
+        parent = self.state.version
+        version = parent + 1
+        out = self.settings.cache_dir / "trainer" / self.run / f"{version:06d}"
+        uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, self.run, version)
+        t0 = time.perf_counter()
+        metrics = {k: v for k, v in self.state.last_metrics.items() if isinstance(v, (int, float))}
+        manifest = await asyncio.to_thread(
+            save_checkpoint, self.engine.module, self.model_dir, out, run=self.run, version=version,
+            parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
+            trained_offsets=self.state.trained_offsets, metrics=metrics)
+        await asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri)
+        await self.announce(uri, manifest, out)
+        self.state.version = version
+        self.state.last_checkpoint = uri
+        self.emit({"event": "checkpoint", "run": self.run, "version": version, "uri": uri,
+                   "step": self.state.step, "trained_offsets": self.state.trained_offsets,
+                   "seconds": round(time.perf_counter() - t0, 3)})
+
+    # loop -----------------------------------------------------------------------------
+    async def serve(self) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from transformers import AutoTokenizer
+
+        from schemas.codec import SchemaError, decode
+
+        torch.manual_seed(self.cfg.seed)
+        http = await start_http(self.settings.host, self.settings.trainer_port, self.status) if self.cfg.http else None
+        try:
+            await self.resume()
+            model = await asyncio.to_thread(load_model, self.model_dir)
+            tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+            self.engine = await asyncio.to_thread(build_engine, model, lr=self.cfg.lr,
+                                                  weight_decay=self.cfg.weight_decay,
+                                                  micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
+                                        isolation_level="read_committed", enable_auto_commit=False,
+                                        group_id=None, max_partition_fetch_bytes=8 * 1024 * 1024)
+            await consumer.start()
+            try:
+                parts = await _partitions(consumer, self.cfg.samples_topic, wait_s=60)
+                if not parts:
+                    raise RuntimeError(f"topic {self.cfg.samples_topic!r} does not exist")
+                tps = {p: TopicPartition(self.cfg.samples_topic, p) for p in parts}
+                consumer.assign(list(tps.values()))
+                for p, tp in tps.items():
+                    key = f"{self.cfg.samples_topic}:{p}"
+                    if key in self.state.trained_offsets:
+                        consumer.seek(tp, self.state.trained_offsets[key])
+                    elif self.cfg.start == "latest":
+                        await consumer.seek_to_end(tp)
+                        self.state.trained_offsets[key] = await consumer.position(tp)
+                    else:
+                        await consumer.seek_to_beginning(tp)
+                        self.state.trained_offsets[key] = await consumer.position(tp)
+                self.emit({"event": "start", "run": self.run, "version": self.state.version,
+                           "offsets": self.state.trained_offsets, "model_dir": str(self.model_dir)})
+                buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
+                last_arrival = time.monotonic()
+                while not self._stop.is_set():
+                    batch = await consumer.getmany(timeout_ms=500, max_records=1000)
+                    for tp, msgs in batch.items():
+                        for m in msgs:
+                            last_arrival = time.monotonic()
+                            try:
+                                s = decode("sample", m.value)
+                                batching.check_sample(s, self.cfg.max_tokens)
+                            except (SchemaError, batching.BadSample) as exc:
+                                reason = getattr(exc, "reason", "schema_error")
+                                self.state.skipped[reason] = self.state.skipped.get(reason, 0) + 1
+                                log.warning("skipping sample at %s:%d:%d: %s", tp.topic, tp.partition, m.offset, exc)
+                                s = None
+                            buffer.append((tp.partition, m.offset, s))
+                    good = sum(1 for _, _, s in buffer if s is not None)
+                    self.state.buffered = good
+                    idle = time.monotonic() - last_arrival >= self.cfg.idle_flush_s
+                    if good >= self.cfg.min_batch or (good > 0 and idle):
+                        buffer = await self._update(buffer, pad_id)
+                        if self.cfg.max_updates and self.state.updates >= self.cfg.max_updates:
+                            break
+            finally:
+                await consumer.stop()
+        finally:
+            if http is not None:
+                await http.cleanup()
+
+    async def _update(self, buffer: list, pad_id: int) -> list:
+        """Train on a prefix of ``buffer`` holding up to max_batch good samples; return the rest."""
+        taken, good = 0, 0
+        for _, _, s in buffer:
+            if s is not None and good == self.cfg.max_batch:
+                break
+            taken += 1
+            good += s is not None
+        head, rest = buffer[:taken], buffer[taken:]
+        samples = [s for _, _, s in head if s is not None]
+        metrics = await asyncio.to_thread(
+            train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
+            ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
+            kl_coef=self.cfg.kl_coef)
+        for p, off, _ in head:
+            key = f"{self.cfg.samples_topic}:{p}"
+            self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
+        self.state.step += self.cfg.ppo_epochs
+        self.state.updates += 1
+        self.state.last_metrics = metrics
+        self.emit({"event": "update", "run": self.run, "update": self.state.updates, "step": self.state.step,
+                   "version": self.state.version, **{k: round(v, 6) if isinstance(v, float) else v
+                                                     for k, v in metrics.items()},
+                   "offsets": dict(self.state.trained_offsets), "skipped": dict(self.state.skipped)})
+        if self.state.updates % self.cfg.checkpoint_every == 0:
+            await self.publish()
+        return rest
+
+    def status(self) -> dict:
+        return asdict(self.state)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# ---- HTTP /health and /status ---------------------------------------------------------
+
+async def start_http(host: str, port: int, status_fn):
+    """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn()."""
+    from aiohttp import web
+
+    async def health(_):
+        return web.json_response({"ok": True})
+
+    async def status(_):
+        return web.json_response(status_fn())
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="spanrl trainer: samples -> DeepSpeed -> checkpoints")
+    ap.add_argument("--run", help="run name (default SPANRL_TRAINER_RUN or SPANRL_RUN)")
+    ap.add_argument("--base-dir", type=Path, help="base model dir (default settings.model_dir)")
+    ap.add_argument("--max-updates", type=int)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides = {k: v for k, v in {"run": args.run, "base_dir": args.base_dir,
+                                   "max_updates": args.max_updates}.items() if v is not None}
+    cfg = TrainerConfig(**overrides)
+    trainer = Trainer(cfg)
+    asyncio.run(trainer.serve())
+
+
+if __name__ == "__main__":
+    main()
