@@ -62,6 +62,22 @@ def stack_logs(name: str, lines: int = typer.Option(50, "-n")) -> None:
     console.print(Stack().tail(name, lines))
 
 
+def _fresh_run(prefix: str) -> Stack:
+    """A Stack whose trainer and reloader use a new run name (``prefix-<UTC time>``) that
+    starts at the current end of the samples topic, unless the stack is already up (then
+    its running services and run are kept)."""
+    import os
+    import time
+
+    from infra.settings import get_settings
+
+    if not Stack().running("trainer"):
+        os.environ.setdefault("SPANRL_RUN", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        os.environ.setdefault("SPANRL_TRAINER_START", "latest")
+        get_settings.cache_clear()
+    return Stack(get_settings())
+
+
 def _up_or_exit(stack: Stack) -> None:
     try:
         with console.status("starting the stack") as st:
@@ -81,7 +97,7 @@ def test(
     import subprocess
     import sys
 
-    stack = Stack()
+    stack = _fresh_run("test")
     _up_or_exit(stack)
     try:
         rc = subprocess.call([sys.executable, "-m", "pytest", "tests", "-ra", *(pytest_args or [])],
@@ -105,7 +121,7 @@ def demo(
 
     from examples.math_agent.main_job import MainJobConfig, run_main_job
 
-    stack = Stack()
+    stack = _fresh_run("demo")
     _up_or_exit(stack)
     try:
         summary = run_main_job(MainJobConfig(iterations=iterations, tasks_per_iteration=tasks,

@@ -140,6 +140,7 @@ class Stack:
                       health=lambda: _http_ok(f"http://{s.host}:{s.faust_web_port}/spanrl/counters/"),
                       start_timeout_s=120),
             Component("trainer", py + ["trainer.train"],
+                      env={"OMP_NUM_THREADS": os.environ.get("SPANRL_TRAINER_THREADS", "2")},
                       health=lambda: _http_ok(f"http://{s.host}:{s.trainer_port}/health"),
                       start_timeout_s=300),
             Component("reloader", py + ["trainer.reloader"],

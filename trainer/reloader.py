@@ -29,6 +29,7 @@ import httpx
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from infra.settings import get_settings
+from schemas import topics
 from trainer import checkpoint
 from trainer.train import _partitions, start_http
 
@@ -41,7 +42,7 @@ class ReloaderConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPANRL_RELOADER_", extra="ignore")
 
     run: str | None = None  # default: settings.run
-    checkpoints_topic: str = "checkpoints"
+    checkpoints_topic: str = topics.CHECKPOINTS.name
     #: latest: reload the newest existing announcement of the run, then follow;
     #: end: only announcements made after start; beginning: replay all (oldest first)
     start: str = "latest"

@@ -29,6 +29,7 @@ import torch
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from infra.settings import get_settings
+from schemas import topics
 from trainer import batching, checkpoint, losses
 
 log = logging.getLogger("spanrl.trainer")
@@ -45,8 +46,8 @@ class TrainerConfig(BaseSettings):
 
     run: str | None = None  # default: settings.run
     base_dir: Path | None = None  # default: settings.model_dir
-    samples_topic: str = "samples"
-    checkpoints_topic: str = "checkpoints"
+    samples_topic: str = topics.SAMPLES.name
+    checkpoints_topic: str = topics.CHECKPOINTS.name
     algorithm: str = "grpo"  # grpo: use each sample's group advantage; reinforce_pp: batch-normalised returns
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -60,6 +61,7 @@ class TrainerConfig(BaseSettings):
     micro_batch: int = 8
     max_tokens: int = 4096
     checkpoint_every: int = 1
+    init_from: str | None = None  # "RUN:VERSION": a new run starts from that checkpoint (replay)
     start: str = "earliest"  # where a run with no checkpoint starts reading samples: earliest|latest
     max_updates: int | None = None  # stop after this many updates (tests, benchmarks)
     log_path: Path | None = None  # JSON lines; default: settings.state_dir/trainer-<run>.jsonl
@@ -309,6 +311,8 @@ class Trainer:
         store_latest = await asyncio.to_thread(checkpoint.latest_version_in_store, self.minio,
                                                self.settings.checkpoint_bucket, self.run)
         latest = max(v for v in (kafka_latest, store_latest, 0) if v is not None)
+        if latest == 0 and self.cfg.init_from:
+            return await self.init_from(self.cfg.init_from)
         if latest == 0:
             return None
         uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, self.run, latest)
@@ -323,6 +327,23 @@ class Trainer:
         if kafka_latest is None or kafka_latest < latest:
             # uploaded but never announced (crash between the two): announce now
             await self.announce(uri, manifest, dest)
+        return manifest
+
+    async def init_from(self, spec: str) -> dict:
+        """Start this (new) run from checkpoint ``RUN:VERSION`` of another run: its weights,
+        verified against its manifest; this run's versions continue from it and its
+        samples are read from ``cfg.start`` (the other run's offsets belong to another topic).
+        Raises ValueError for a malformed spec, checkpoint errors for a bad checkpoint."""
+        run, _, version = spec.partition(":")
+        if not run or not version.isdigit():
+            raise ValueError(f"init_from must be RUN:VERSION, got {spec!r}")
+        uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, run, int(version))
+        dest = self.settings.cache_dir / "trainer" / run / f"{int(version):06d}"
+        manifest = await asyncio.to_thread(checkpoint.download_checkpoint, self.minio, uri, dest)
+        self.model_dir = dest
+        self.state.version = manifest["version"]
+        self.state.step = manifest["step"]
+        self.emit({"event": "init_from", "run": self.run, "from": spec, "uri": uri, "step": manifest["step"]})
         return manifest
 
     async def announce(self, uri: str, manifest: dict, ckpt_dir: Path) -> None:

@@ -59,6 +59,7 @@ class IterationResult:
     format_rate: float = 0.0
     policy_versions_served: list = field(default_factory=list)
     checkpoint_version: int | None = None
+    checkpoints_announced: list = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -89,9 +90,21 @@ class TopicReader:
                 out.append((tp.topic, decode(rec_type, r.value)))
         return out
 
+    async def end_offsets(self, topic: T.Topic) -> dict[int, int]:
+        """partition -> end offset (next offset to be written) of ``topic`` now."""
+        parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
+        ends = await self.consumer.end_offsets(parts)
+        return {tp.partition: off for tp, off in ends.items()}
+
     async def stop(self) -> None:
         if self.consumer:
             await self.consumer.stop()
+
+
+def _trainer_status(s: Settings) -> dict:
+    r = httpx.get(f"http://{s.host}:{s.trainer_port}/status", timeout=5)
+    r.raise_for_status()
+    return r.json()
 
 
 def _served_version(s: Settings) -> int:
@@ -128,9 +141,9 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     samples: list[dict] = []
     dead: list[dict] = []
     checkpoint_version = None
+    checkpoints: list[int] = []
 
     def absorb(records):
-        nonlocal checkpoint_version
         for topic, rec in records:
             if topic == T.ROLLOUTS.name and rec["status"] != "started":
                 ended[rec["rollout_id"]] = rec["status"]
@@ -144,7 +157,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
             elif topic == T.DEAD_LETTER.name:
                 dead.append(rec)
             elif topic == T.CHECKPOINTS.name:
-                checkpoint_version = rec["version"]
+                checkpoints.append(rec["version"])
 
     run_task = asyncio.create_task(runner.run(max_tasks=cfg.tasks_per_iteration))
     # Stage 1: rollouts end (runner) and every ended rollout is accounted for downstream.
@@ -162,15 +175,22 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     else:
         progress.console.print(f"[yellow]iteration {it}: samples stage timed out[/yellow]")
     await run_task
-    # Stage 2: the trainer publishes a checkpoint and the reloader serves it.
+    # Stage 2: the trainer has trained past every sample of this iteration (its trained
+    # offsets, which go into the checkpoint manifest), and the reloader serves that version.
+    samples_end = await reader.end_offsets(T.SAMPLES)
     progress.update(bar, description=f"iter {it}: training + reload", total=None)
     deadline = time.monotonic() + cfg.stage_timeout_s
-    while time.monotonic() < deadline:
+    while samples and time.monotonic() < deadline:
         absorb(await reader.poll())
-        if checkpoint_version is not None and _served_version(s) >= checkpoint_version > version_before:
-            break
-        if not samples:
-            break  # nothing to train on this iteration
+        st = _trainer_status(s)
+        trained = st.get("trained_offsets", {})
+        if all(trained.get(f"{T.SAMPLES.name}:{p}", 0) >= end for p, end in samples_end.items()):
+            if st.get("version", 0) > version_before and _served_version(s) >= st["version"]:
+                checkpoint_version = st["version"]
+                break
+    else:
+        if samples:
+            progress.console.print(f"[yellow]iteration {it}: training/reload stage timed out[/yellow]")
     await reader.stop()
 
     res.rollouts = len(ended)
@@ -185,6 +205,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     res.format_rate = (sum(1 for r in ended if components.get(r, {}).get("format", 0) > 0) / len(ended)) if ended else 0.0
     res.policy_versions_served = sorted({t["policy_version"] for v in transitions.values() for t in v})
     res.checkpoint_version = checkpoint_version
+    res.checkpoints_announced = checkpoints
     res.wall_s = round(time.monotonic() - t0, 1)
     res._samples = samples  # kept for the log-prob check, not serialised
     return res
@@ -242,6 +263,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     summary = {
+        "run": s.run,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
