@@ -132,5 +132,30 @@ def demo(
     console.print(f"[bold green]done[/bold green]: {summary['paths']}")
 
 
+@app.command()
+def replay(
+    suffix: str = typer.Option(..., help="names the output topics (transitions.<suffix>, samples.<suffix>) and the new run"),
+    credit_rule: str = typer.Option("identical", help="identical | scaled:<factor> | discounted:<gamma>"),
+    since: str = typer.Option(None, help="replay from this time (ISO 8601, UTC) instead of the beginning"),
+    train_from: str = typer.Option(None, help="RUN:VERSION checkpoint to train run replay-<suffix> from"),
+    train_updates: int = typer.Option(1, help="updates of that training"),
+) -> None:
+    """Rebuild transitions/samples from the stored spans/rewards/rollouts under a new credit
+    rule into new topics, then (optionally) train a new run from a chosen checkpoint."""
+    import json
+    from datetime import datetime, timezone
+
+    from infra.replay import ReplayConfig, replay as run_replay
+
+    since_ms = None
+    if since:
+        ts = datetime.fromisoformat(since)
+        since_ms = int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+    with console.status(f"replaying into transitions.{suffix} …"):
+        result = run_replay(ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=since_ms,
+                                         train_from=train_from, train_updates=train_updates), log=console.print)
+    console.print_json(json.dumps(result))
+
+
 if __name__ == "__main__":
     app()

@@ -60,6 +60,7 @@ class IterationResult:
     policy_versions_served: list = field(default_factory=list)
     checkpoint_version: int | None = None
     checkpoints_announced: list = field(default_factory=list)
+    rollout_ids: list = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -101,16 +102,27 @@ class TopicReader:
             await self.consumer.stop()
 
 
+def _get_json(url: str, tries: int = 5) -> dict:
+    """GET a service's JSON status; a busy service (training holds both cores) gets a few
+    retries before the error is raised."""
+    for attempt in range(tries):
+        try:
+            r = httpx.get(url, timeout=10)
+            r.raise_for_status()
+            return r.json()
+        except httpx.HTTPError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0 + attempt)
+    return {}
+
+
 def _trainer_status(s: Settings) -> dict:
-    r = httpx.get(f"http://{s.host}:{s.trainer_port}/status", timeout=5)
-    r.raise_for_status()
-    return r.json()
+    return _get_json(f"http://{s.host}:{s.trainer_port}/status")
 
 
 def _served_version(s: Settings) -> int:
-    r = httpx.get(f"http://{s.host}:{s.reloader_port}/status", timeout=5)
-    r.raise_for_status()
-    return int(r.json().get("served_version") or 0)
+    return int(_get_json(f"http://{s.host}:{s.reloader_port}/status").get("served_version") or 0)
 
 
 async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[dict], progress, bar) -> IterationResult:
@@ -194,6 +206,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     await reader.stop()
 
     res.rollouts = len(ended)
+    res.rollout_ids = sorted(ended)
     res.rollouts_failed = sum(1 for v in ended.values() if v != "succeeded")
     res.transitions = sum(len(v) for v in transitions.values())
     res.samples = len(samples)
