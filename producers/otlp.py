@@ -109,6 +109,47 @@ def span_kind(name: str, attrs: dict[str, object]) -> str:
 
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 
+#: OTel attributes that carry an LLM call's exact token data (first key found wins). The
+#: bare ``prompt_token_ids`` / ``response_token_ids`` are the keys Agent Lightning's
+#: tracer and adapter use, so spans instrumented for it train here unchanged.
+LLM_PROMPT_IDS = ("spanrl.llm.prompt_token_ids", "prompt_token_ids")
+LLM_COMPLETION_IDS = ("spanrl.llm.completion_token_ids", "response_token_ids")
+LLM_LOGPROBS = ("spanrl.llm.completion_logprobs",)
+LLM_POLICY_VERSION = "spanrl.llm.policy_version"
+_LLM_KEYS = frozenset(LLM_PROMPT_IDS + LLM_COMPLETION_IDS + LLM_LOGPROBS + (LLM_POLICY_VERSION,))
+
+
+def _first(attrs: dict[str, object], keys: tuple[str, ...]) -> object:
+    for k in keys:
+        if k in attrs:
+            return attrs[k]
+    return None
+
+
+def llm_from_attrs(attrs: dict[str, object], span_id: str) -> dict | None:
+    """The ``llm`` record of an OTel LLM span that carries token ids as int-array attributes
+    (``spanrl.llm.*`` or Agent Lightning's keys), else None. Logprobs are taken as given (the
+    assembler dead-letters a call whose logprobs do not match its completion tokens)."""
+    prompt, completion = _first(attrs, LLM_PROMPT_IDS), _first(attrs, LLM_COMPLETION_IDS)
+    if not isinstance(completion, list) or not isinstance(prompt, list):
+        return None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in prompt + completion):
+        return None
+    logprobs = _first(attrs, LLM_LOGPROBS)
+    logprobs = [float(x) for x in logprobs if isinstance(x, (int, float)) and not isinstance(x, bool)] \
+        if isinstance(logprobs, list) else []
+    model = attrs.get("gen_ai.response.model") or attrs.get("gen_ai.request.model") or ""
+    request_id = attrs.get("gen_ai.response.id")
+    return {
+        "model": model if isinstance(model, str) else stringify(model),
+        "policy_version": _as_int(attrs.get(LLM_POLICY_VERSION)) or 0,
+        "prompt_token_ids": prompt,
+        "completion_token_ids": completion,
+        "completion_logprobs": logprobs,
+        "temperature": 1.0, "top_p": 1.0, "max_tokens": None, "finish_reason": None,
+        "request_id": request_id if isinstance(request_id, str) else span_id,
+    }
+
 
 def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
@@ -137,6 +178,7 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
     seq = _as_int(lookup(keys.SEQUENCE_ID))
     agent = lookup(keys.AGENT_NAME) or attrs.get("gen_ai.agent.name")
     kind = span_kind(pb.name, attrs)
+    llm = llm_from_attrs(attrs, pb.span_id.hex()) if kind == "llm" else None
     span = {
         "rollout_id": rollout_id,
         "attempt_id": attempt_id,
@@ -151,8 +193,9 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
         "end_time_unix_nano": pb.end_time_unix_nano,
         "status_code": _STATUS.get(pb.status.code, "UNSET"),
         "agent_name": agent if isinstance(agent, str) else None,
-        "attributes": {k: stringify(v) for k, v in attrs.items()},
-        "llm": None,
+        # token data lives once, in ``llm`` (not again as JSON text in the attribute map)
+        "attributes": {k: stringify(v) for k, v in attrs.items() if llm is None or k not in _LLM_KEYS},
+        "llm": llm,
         "payload_ref": None,
     }
     out = Converted(rollout_id, span=span, raw=raw)

@@ -95,6 +95,33 @@ def collate(samples: list[dict], pad_token_id: int = 0, advantages: list[float] 
     return Batch(input_ids, attention_mask, completion_mask, behaviour, adv, returns)
 
 
+def token_budget_batches(samples: list[dict], max_padded_tokens: int, max_size: int) -> list[list[int]]:
+    """Indices of ``samples`` packed into micro-batches, longest first, so that each
+    micro-batch's padded size ``len(batch) * longest`` stays within ``max_padded_tokens``
+    (a single longer sample gets a micro-batch of its own) and holds at most ``max_size``
+    samples. Bounds activation memory by tokens, not by a sample count.
+    """
+    if max_padded_tokens < 1 or max_size < 1:
+        raise ValueError("micro-batch limits must be >= 1")
+    length = lambda i: len(samples[i]["transition"]["prompt_token_ids"]) + len(samples[i]["transition"]["completion_token_ids"])  # noqa: E731
+    order = sorted(range(len(samples)), key=length, reverse=True)
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < max_size and \
+                (len(batches[-1]) + 1) * length(batches[-1][0]) <= max_padded_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def completion_window(batch: Batch) -> int:
+    """Number K of trailing positions that hold every completion token of ``batch`` plus the
+    position just before the first one (which predicts it); logits are needed only there."""
+    first = int(batch.completion_mask.argmax(dim=1).min())  # earliest completion position
+    return batch.input_ids.shape[1] - max(first - 1, 0)
+
+
 def micro_batches(samples: list, size: int) -> list[list]:
     """Consecutive chunks of at most ``size`` samples (bounds activation memory)."""
     if size < 1:

@@ -58,7 +58,8 @@ class TrainerConfig(BaseSettings):
     min_batch: int = 16
     max_batch: int = 64
     idle_flush_s: float = 10.0
-    micro_batch: int = 8
+    micro_batch: int = 8  # at most this many sequences per micro-batch ...
+    micro_batch_tokens: int = 2048  # ... and at most this many padded tokens
     max_tokens: int = 4096
     checkpoint_every: int = 1
     init_from: str | None = None  # "RUN:VERSION": a new run starts from that checkpoint (replay)
@@ -138,7 +139,8 @@ def load_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    # sdpa: no [B, heads, T, T] score tensors kept for backward (eager attention OOMs on CPU)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
     return model
 
@@ -146,7 +148,8 @@ def load_model(model_dir: Path):
 # ---- one update (algorithm) -----------------------------------------------------------
 
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
-                 pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0) -> dict:
+                 pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0,
+                 micro_batch_tokens: int | None = None) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` optimizer steps, each over all
     samples, micro-batched; returns metrics of the update."""
     t0 = time.perf_counter()
@@ -157,9 +160,13 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         advantages = [s["advantage"] for s in samples]
     else:
         raise ValueError(f"unknown algorithm {algorithm!r}")
-    chunks = [batching.collate(mb, pad_token_id, adv)
-              for mb, adv in zip(batching.micro_batches(samples, micro_batch),
-                                 batching.micro_batches(advantages, micro_batch))]
+    if micro_batch_tokens:  # pack by padded tokens, longest first
+        groups = batching.token_budget_batches(samples, micro_batch_tokens, micro_batch)
+        chunks = [batching.collate([samples[i] for i in g], pad_token_id, [advantages[i] for i in g]) for g in groups]
+    else:
+        chunks = [batching.collate(mb, pad_token_id, adv)
+                  for mb, adv in zip(batching.micro_batches(samples, micro_batch),
+                                     batching.micro_batches(advantages, micro_batch))]
     n_tokens = sum(b.num_completion_tokens for b in chunks)
     device = engine.device
     engine.train()
@@ -170,7 +177,12 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
             b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
                                                         b.behaviour_logprobs, b.advantages, b.returns)))
-            logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            # logits only over the trailing window that predicts completion tokens
+            # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
+            K = batching.completion_window(b)
+            logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask, logits_to_keep=K).logits
+            b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
+                               b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
             logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
             # token mean over the whole update: normalise by the update's completion tokens
             loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
@@ -465,6 +477,7 @@ class Trainer:
         samples = [s for _, _, s in head if s is not None]
         metrics = await asyncio.to_thread(
             train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
+            micro_batch_tokens=self.cfg.micro_batch_tokens,
             ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
             kl_coef=self.cfg.kl_coef)
         for p, off, _ in head:

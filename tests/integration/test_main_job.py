@@ -36,10 +36,15 @@ async def _read_all(bootstrap: str, topic: T.Topic) -> list[dict]:
         await consumer.stop()
 
 
-def test_short_main_job(stack, settings, tmp_path):
+@pytest.fixture(scope="module")
+def main_job(stack, settings, tmp_path_factory):
     cfg = MainJobConfig(iterations=2, tasks_per_iteration=2, group_size=2, concurrency=4,
-                        stage_timeout_s=420, out_dir=tmp_path)
-    summary = run_main_job(cfg, settings)
+                        stage_timeout_s=420, out_dir=tmp_path_factory.mktemp("results"))
+    return run_main_job(cfg, settings)
+
+
+def test_short_main_job(main_job, settings):
+    summary = main_job
     its = summary["iterations"]
     ours = {r for it in its for r in it["rollout_ids"]}
 
@@ -88,3 +93,36 @@ def test_short_main_job(stack, settings, tmp_path):
     assert its[0]["policy_versions_served"] and its[1]["policy_versions_served"]
     assert min(its[1]["policy_versions_served"]) > max(its[0]["policy_versions_served"])
     assert summary["final_served_version"] >= version
+
+
+def test_replay_with_a_new_credit_rule_then_train(main_job, settings):
+    """Replay rebuilds the same transitions from spans/rewards/rollouts into a new topic with
+    reward = 0.5 R, leaves the original topic alone, and trains a new run from a checkpoint."""
+    import uuid
+
+    from infra.replay import ReplayConfig, output_topics, replay
+
+    ours = {r for it in main_job["iterations"] for r in it["rollout_ids"]}
+    bootstrap = settings.kafka_bootstrap
+    original = [t for t in asyncio.run(_read_all(bootstrap, T.TRANSITIONS)) if t["rollout_id"] in ours]
+    n_original_total = len(asyncio.run(_read_all(bootstrap, T.TRANSITIONS)))
+    version = max(v for it in main_job["iterations"] for v in it["checkpoints_announced"])
+    suffix = f"t{uuid.uuid4().hex[:8]}"
+    result = replay(ReplayConfig(suffix=suffix, credit_rule="scaled:0.5", train_from=f"{settings.run}:{version}",
+                                 train_updates=1, timeout_s=400))
+    new_topic = output_topics(suffix)[0]
+    replayed = [t for t in asyncio.run(_read_all(bootstrap, new_topic)) if t["rollout_id"] in ours]
+    key = lambda t: (t["rollout_id"], t["attempt_id"], t["span_id"])  # noqa: E731
+    assert sorted(map(key, replayed)) == sorted(map(key, original))
+    by_key = {key(t): t for t in original}
+    for t in replayed:
+        o = by_key[key(t)]
+        assert t["credit_rule"] == "scaled:0.5" and t["reward"] == pytest.approx(0.5 * o["episode_return"])
+        assert t["prompt_token_ids"] == o["prompt_token_ids"] and t["completion_token_ids"] == o["completion_token_ids"]
+    assert len(asyncio.run(_read_all(bootstrap, T.TRANSITIONS))) == n_original_total  # original untouched
+    run = result["training"]["run"]
+    dest = settings.cache_dir / "test-downloads" / run
+    manifest = checkpoint.download_checkpoint(checkpoint.make_client(settings),
+                                              checkpoint.checkpoint_uri(settings.checkpoint_bucket, run, version + 1), dest)
+    assert manifest["parent_version"] == version and manifest["run"] == run
+    assert list(manifest["trained_offsets"]) == [f"{output_topics(suffix)[1].name}:0"]

@@ -75,11 +75,15 @@ def test_micro_batching_equals_one_batch():
     samples, _ = rollout(base, gen, 0)
     e_small = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=3)
     e_big = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
+    e_tok = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
     m_small = train_update(e_small, samples, micro_batch=3)
     m_big = train_update(e_big, samples, micro_batch=64)
-    assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-5)
-    assert m_small["approx_kl"] == pytest.approx(m_big["approx_kl"], abs=1e-6)
-    for (n, a), (_, b) in zip(e_small.module.named_parameters(), e_big.module.named_parameters()):
-        assert torch.allclose(a, b, atol=1e-5), n
+    m_tok = train_update(e_tok, samples, micro_batch=64, micro_batch_tokens=40)  # packed by tokens
+    for m in (m_small, m_tok):
+        assert m["loss"] == pytest.approx(m_big["loss"], abs=1e-5)
+        assert m["approx_kl"] == pytest.approx(m_big["approx_kl"], abs=1e-6)
+    for e in (e_small, e_tok):
+        for (n, a), (_, b) in zip(e.module.named_parameters(), e_big.module.named_parameters()):
+            assert torch.allclose(a, b, atol=1e-5), n
     changed = any(not torch.equal(a, b) for a, b in zip(base.parameters(), e_big.module.parameters()))
     assert changed

@@ -145,3 +145,39 @@ def test_decoding_random_bytes_raises_only_otlp_error(data, encoding):
         assert (c.span is None) != (c.dead_reason is None)
         if c.span is not None:
             codec.encode("span", c.span)
+
+
+def _int_array(key: str, values: list) -> KeyValue:
+    items = [AnyValue(double_value=x) if isinstance(x, float) else AnyValue(int_value=x) for x in values]
+    return KeyValue(key=key, value=AnyValue(array_value=ArrayValue(values=items)))
+
+
+@pytest.mark.parametrize("prompt_key,completion_key", [
+    ("spanrl.llm.prompt_token_ids", "spanrl.llm.completion_token_ids"),
+    ("prompt_token_ids", "response_token_ids"),  # Agent Lightning's tracer keys
+])
+def test_llm_span_with_token_id_attributes_gets_llm_record(prompt_key, completion_key):
+    s = span("openai.chat.completion", {"spanrl.rollout_id": "r1", "gen_ai.system": "openai",
+                                        "gen_ai.request.model": "policy", "gen_ai.response.id": "resp-1",
+                                        "spanrl.llm.policy_version": 3})
+    s.attributes.extend([_int_array(prompt_key, [1, 2, 3]), _int_array(completion_key, [4, 5]),
+                         _int_array("spanrl.llm.completion_logprobs", [-0.5, -0.25])])
+    [c] = convert_request(request([s]))
+    assert c.span["kind"] == "llm" and c.span["source"] == "otlp"
+    assert c.span["llm"] == {
+        "model": "policy", "policy_version": 3, "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5],
+        "completion_logprobs": [-0.5, -0.25], "temperature": 1.0, "top_p": 1.0, "max_tokens": None,
+        "finish_reason": None, "request_id": "resp-1"}
+    # token data is stored once (in llm), not again as JSON text among the attributes
+    assert not any(k in c.span["attributes"] for k in (prompt_key, completion_key, "spanrl.llm.completion_logprobs",
+                                                       "spanrl.llm.policy_version"))
+    assert codec.decode("span", codec.encode("span", c.span))["llm"]["completion_token_ids"] == [4, 5]
+
+
+def test_llm_span_without_or_with_bad_token_ids_has_no_llm_record():
+    [c] = convert_request(request([span("chat", {"spanrl.rollout_id": "r1", "gen_ai.system": "openai"})]))
+    assert c.span["llm"] is None
+    s = span("chat", {"spanrl.rollout_id": "r1", "gen_ai.system": "openai", "prompt_token_ids": ["a"],
+                      "response_token_ids": ["b"]})
+    [c] = convert_request(request([s]))
+    assert c.span["llm"] is None and c.span["attributes"]["response_token_ids"] == '["b"]'

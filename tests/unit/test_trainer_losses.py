@@ -108,3 +108,26 @@ def test_check_sample_reasons():
 
 def test_micro_batches():
     assert batching.micro_batches(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+
+
+def _sized_sample(prompt_len, completion_len):
+    return {"transition": {"prompt_token_ids": [1] * prompt_len, "completion_token_ids": [2] * completion_len,
+                           "behaviour_logprobs": [-1.0] * completion_len, "episode_return": 0.0},
+            "advantage": 0.0}
+
+
+def test_token_budget_batches_pack_longest_first_within_budget():
+    from trainer import batching
+
+    samples = [_sized_sample(3, 2), _sized_sample(10, 5), _sized_sample(4, 4), _sized_sample(1, 1)]  # lengths 5, 15, 8, 2
+    # longest first: 15 alone (2*15 > 20); then 8, 5 (2*8=16 <= 20), then 2 would make 3*8=24 > 20
+    assert batching.token_budget_batches(samples, max_padded_tokens=20, max_size=8) == [[1], [2, 0], [3]]
+    assert batching.token_budget_batches(samples, max_padded_tokens=100, max_size=2) == [[1, 2], [0, 3]]
+
+
+def test_completion_window_covers_every_completion_token():
+    from trainer import batching
+
+    b = batching.collate([_sized_sample(3, 2), _sized_sample(5, 1)])  # T = 6; completions at [3,4] and [5]
+    assert batching.completion_window(b) == 6 - 2  # positions 2..5: position 2 predicts token 3
+    assert float(b.completion_mask[:, -4:].sum()) == float(b.completion_mask.sum())
