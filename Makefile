@@ -4,7 +4,7 @@ CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
 PY := $(CACHE)/venv/bin/python
 export SPANRL_CACHE_DIR := $(CACHE)
 
-.PHONY: bootstrap demo test test-unit up down status
+.PHONY: bootstrap demo test test-unit up down status bench
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -26,3 +26,7 @@ down:
 	$(PY) -m infra.cli stack down
 status:
 	$(PY) -m infra.cli stack status
+
+## Benchmarks side by side with Agent Lightning (needs `make up`); writes bench/results/latest.json.
+bench: bootstrap
+	$(PY) -m bench.run $(ARGS)

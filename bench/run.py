@@ -158,7 +158,8 @@ class SpanrlSide:
                 "SPANRL_ROLLOUTS_TOPIC": self.names["rollouts"],
                 "SPANRL_TRANSITIONS_TOPIC": self.names["transitions"],
                 "SPANRL_SAMPLES_TOPIC": self.names["samples"], "SPANRL_DEAD_LETTER_TOPIC": self.names["dead-letter"],
-                "SPANRL_SETTLE_S": str(self.a.settle_s), "SPANRL_STREAM_TICK_S": str(self.a.tick_s)}
+                "SPANRL_SETTLE_S": str(self.a.settle_s),
+ "SPANRL_STREAM_TICK_S": str(self.a.tick_s)}
         # cwd: Faust writes <app_id>-data into the working directory
         self.worker = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "warn"],
                                        cwd=self.workdir, env=wenv, stdout=open(self.workdir / "worker.log", "wb"),
@@ -206,7 +207,9 @@ class SpanrlSide:
                 raise RuntimeError(f"Faust worker died; see {self.workdir}/worker.log")
             await asyncio.sleep(0.02)
         missing = sum(len(self.seen.get(r, ())) < n for r in rids)
-        raise RuntimeError(f"{missing}/{len(rids)} rollouts without all transitions after {timeout}s")
+        print(f"WARNING: {missing}/{len(rids)} rollouts without all transitions after {timeout}s "
+              "(late_span dead letters? raise --settle-s)", file=sys.stderr)
+        return time.perf_counter()
 
     def lifecycle(self, rid: str, task: str, status: str) -> tuple[str, bytes, bytes]:
         from schemas import codec
@@ -291,12 +294,12 @@ class SpanrlSide:
         for b in range(0, n, self.a.batch_rollouts):
             await self._send_rollouts(producer, exp, rids[b:b + self.a.batch_rollouts], work)
         t_in = time.perf_counter()
-        t_done = await self.wait_for(rids, 300)
+        t_done = await self.wait_for(rids, 60)
         cpu = {k: proc_cpu_s(p) - cpu0[k] for k, p in pids.items()}
         spans = n * shape.spans_per_rollout
-        trans = sum(len(self.seen[r_]) for r_ in rids)
+        trans = sum(len(self.seen.get(r_, ())) for r_ in rids)
         return {"spans": spans, "transitions": trans, "ingest_s": t_in - t0, "e2e_s": t_done - t0,
-                "spans_per_s": spans / (t_in - t0), "transitions_per_s": trans / (t_done - t0),
+                "spans_per_s": spans / (t_in - t0), "transitions_per_s": trans / (t_done - t0), "expected_transitions": n * shape.llm_calls,
                 "cpu_s": cpu, "cpu_s_total": sum(cpu.values())}
 
     async def _latency(self, producer, exp) -> dict:
@@ -316,9 +319,10 @@ class SpanrlSide:
             sent[rid] = time.perf_counter()  # the rollout's spans, final reward last, go now
             await asyncio.to_thread(export_ok, exp, work[rid])
         await self.wait_for(rids, 120)
-        lat = [self.seen[r][shape.llm_calls - 1] - sent[r] for r in rids]
+        lat = [self.seen[r][shape.llm_calls - 1] - sent[r] for r in rids
+               if len(self.seen.get(r, ())) >= shape.llm_calls]
         return {"offered_rollouts_per_s": rate, "offered_spans_per_s": rate * shape.spans_per_rollout,
-                "rollouts": n, "p50_s": med(lat), "p99_s": pct(lat, 0.99), "max_s": max(lat),
+                "rollouts": n, "complete": len(lat), "p50_s": med(lat), "p99_s": pct(lat, 0.99), "max_s": max(lat),
                 "settle_s": self.a.settle_s, "tick_s": self.a.tick_s,
                 "measured_from": "client starts the OTLP export holding the final reward span (after the "
                                  "terminal lifecycle event was acked)",
@@ -437,8 +441,9 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch-rollouts", type=int, default=64, help="rollouts per OTLP export (64 x 8 = 512 spans, "
                    "the BatchSpanProcessor's default batch)")
-    p.add_argument("--settle-s", type=float, default=0.5)
-    p.add_argument("--tick-s", type=float, default=0.25)
+    p.add_argument("--settle-s", type=float, default=2.0, help="SPANRL_SETTLE_S (default as in production)")
+    p.add_argument("--tick-s", type=float, default=1.0, help="SPANRL_STREAM_TICK_S")
+
     p.add_argument("--latency-rollouts", type=int, default=40)
     p.add_argument("--latency-rate", type=float, default=4.0, help="rollouts/s offered in the latency phase")
     p.add_argument("--agl-version", default="0.3.0")
