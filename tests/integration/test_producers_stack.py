@@ -70,13 +70,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack():
-    try:
-        ok = httpx.get(S.vllm_url + "/health", timeout=3).status_code == 200
-    except httpx.HTTPError:
-        ok = False
-    if not ok:
-        pytest.skip(f"vLLM not healthy at {S.vllm_url}")
+def stack(stack):  # the running local stack (tests/conftest.py), plus this module's topics
     prefix = f"prtest-{uuid.uuid4().hex[:8]}-"
     topics = Topics.with_prefix(prefix)
     asyncio.run(create_topics(S.kafka_bootstrap, topics.all()))

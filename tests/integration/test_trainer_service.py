@@ -32,7 +32,7 @@ async def _vllm_ready(url: str, wait_s: float = 180.0) -> None:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.skip(f"vLLM at {url} not healthy")
+                pytest.fail(f"vLLM at {url} not healthy after {wait_s:.0f}s (is the stack up?)")
             await asyncio.sleep(2)
 
 
@@ -60,7 +60,7 @@ def _sample_from(resp: dict, task_id: str, ret: float, adv: float) -> dict:
             "group_mean": 0.5, "group_std": 0.5}
 
 
-async def test_trainer_publishes_and_reloader_serves(tmp_path):
+async def test_trainer_publishes_and_reloader_serves(tmp_path, stack):
     from aiokafka import AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-deepspeed = pytest.importorskip("deepspeed")
+import deepspeed  # noqa: E402,F401  (installed by infra/bootstrap.sh)
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from trainer import losses  # noqa: E402
