@@ -82,20 +82,15 @@ class TopicReader:
         for tp, off in ends.items():
             self.consumer.seek(tp, off)
 
-    async def poll(self, timeout_ms: int = 500) -> list[tuple[str, dict]]:
+    async def poll(self, timeout_ms: int = 500) -> list[tuple[str, dict, int, int]]:
+        """(topic, record, partition, offset) of what arrived within ``timeout_ms``."""
         batches = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=5000)
         out = []
         for tp, records in batches.items():
             rec_type = T.BY_NAME[tp.topic].record
             for r in records:
-                out.append((tp.topic, decode(rec_type, r.value)))
+                out.append((tp.topic, decode(rec_type, r.value), r.partition, r.offset))
         return out
-
-    async def end_offsets(self, topic: T.Topic) -> dict[int, int]:
-        """partition -> end offset (next offset to be written) of ``topic`` now."""
-        parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
-        ends = await self.consumer.end_offsets(parts)
-        return {tp.partition: off for tp, off in ends.items()}
 
     async def stop(self) -> None:
         if self.consumer:
@@ -154,9 +149,10 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     dead: list[dict] = []
     checkpoint_version = None
     checkpoints: list[int] = []
+    samples_next: dict[int, int] = {}
 
     def absorb(records):
-        for topic, rec in records:
+        for topic, rec, partition, offset in records:
             if topic == T.ROLLOUTS.name and rec["status"] != "started":
                 ended[rec["rollout_id"]] = rec["status"]
             elif topic == T.REWARDS.name and rec["final"]:
@@ -166,6 +162,10 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
                 transitions.setdefault(rec["rollout_id"], []).append(rec)
             elif topic == T.SAMPLES.name:
                 samples.append(rec)
+                # the trainer's trained offset of a partition is the offset after the last
+                # sample it trained on (transaction markers take offsets, so the topic's
+                # end offset can stay ahead of it)
+                samples_next[partition] = max(samples_next.get(partition, 0), offset + 1)
             elif topic == T.DEAD_LETTER.name:
                 dead.append(rec)
             elif topic == T.CHECKPOINTS.name:
@@ -189,14 +189,13 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     await run_task
     # Stage 2: the trainer has trained past every sample of this iteration (its trained
     # offsets, which go into the checkpoint manifest), and the reloader serves that version.
-    samples_end = await reader.end_offsets(T.SAMPLES)
     progress.update(bar, description=f"iter {it}: training + reload", total=None)
     deadline = time.monotonic() + cfg.stage_timeout_s
     while samples and time.monotonic() < deadline:
         absorb(await reader.poll())
         st = _trainer_status(s)
         trained = st.get("trained_offsets", {})
-        if all(trained.get(f"{T.SAMPLES.name}:{p}", 0) >= end for p, end in samples_end.items()):
+        if all(trained.get(f"{T.SAMPLES.name}:{p}", 0) >= nxt for p, nxt in samples_next.items()):
             if st.get("version", 0) > version_before and _served_version(s) >= st["version"]:
                 checkpoint_version = st["version"]
                 break
