@@ -110,8 +110,8 @@ def test(
 
 @app.command()
 def demo(
-    iterations: int = typer.Option(4, help="tasks -> rollouts -> samples -> update -> reload cycles"),
-    tasks: int = typer.Option(4, help="tasks per iteration"),
+    iterations: int = typer.Option(3, help="tasks -> rollouts -> samples -> update -> reload cycles"),
+    tasks: int = typer.Option(3, help="tasks per iteration"),
     group_size: int = typer.Option(4, help="rollouts per task (GRPO group)"),
     out: str = typer.Option("results", help="where summary.json and reward_curve.png go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),

@@ -35,8 +35,8 @@ from schemas import topics as T
 class MainJobConfig:
     """Size of the main job. ``stage_timeout_s`` bounds each wait (samples, checkpoint)."""
 
-    iterations: int = 4
-    tasks_per_iteration: int = 4
+    iterations: int = 3
+    tasks_per_iteration: int = 3
     group_size: int = 4
     task_pool: int = 8
     seed: int = 0
