@@ -302,6 +302,7 @@ def _plot(results: list[IterationResult], path: Path) -> None:
     for r in results:
         ax.annotate(f"v{r.policy_versions_served[-1] if r.policy_versions_served else '?'}",
                     (r.iteration, r.mean_reward), textcoords="offset points", xytext=(0, 6), fontsize=8)
+    ax.set_xticks(xs)
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.set_title("spanrl main job: calculator math agent (gsm_symbolic)")
