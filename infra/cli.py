@@ -63,9 +63,9 @@ def stack_logs(name: str, lines: int = typer.Option(50, "-n")) -> None:
 
 
 def _fresh_run(prefix: str) -> Stack:
-    """A Stack whose trainer and reloader use a new run name (``prefix-<UTC time>``) that
-    starts at the current end of the samples topic, unless the stack is already up (then
-    its running services and run are kept)."""
+    """A Stack whose trainer and reloader use a new run name (``prefix-<UTC time>``), unless
+    the stack is already up (then its running services and run are kept). The stack's
+    trainer starts a run without checkpoints at the end of the samples topic."""
     import os
     import time
 
@@ -73,7 +73,6 @@ def _fresh_run(prefix: str) -> Stack:
 
     if not Stack().running("trainer"):
         os.environ.setdefault("SPANRL_RUN", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-        os.environ.setdefault("SPANRL_TRAINER_START", "latest")
         get_settings.cache_clear()
     return Stack(get_settings())
 

@@ -24,6 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.settings import Settings, get_settings
 from infra.stack import ROOT, ensure_topics
+from schemas import decode
 from schemas import topics as T
 
 INPUTS = (T.SPANS, T.REWARDS, T.ROLLOUTS)
@@ -97,25 +98,38 @@ async def _group_caught_up(s: Settings, group: str, ends: dict[TopicPartition, i
     return True
 
 
-async def _count(s: Settings, topic: T.Topic) -> int:
-    consumer = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed",
-                                auto_offset_reset="earliest", enable_auto_commit=False)
+async def read_topic(bootstrap: str, topic: T.Topic) -> list[dict]:
+    """Every committed record of ``topic`` from the beginning to its end now, decoded.
+
+    Reads read_committed; stops when every partition's position reached the end offset
+    taken at the start (transaction markers take offsets too, so it also stops after two
+    empty polls once the records before the end are in).
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                                enable_auto_commit=False)
     await consumer.start()
     try:
         parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
         consumer.assign(parts)
-        for tp in parts:
-            consumer.seek_to_beginning(tp)
+        await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
-        n = 0
-        while any(await consumer.position(tp) < ends[tp] for tp in parts):
-            batch = await consumer.getmany(timeout_ms=500, max_records=10000)
-            n += sum(len(v) for v in batch.values())
-            if not batch:
+        out: list[dict] = []
+        empty = 0
+        while empty < 2:
+            positions = [await consumer.position(tp) for tp in parts]
+            if all(pos >= ends[tp] for pos, tp in zip(positions, parts)):
                 break
-        return n
+            batch = await consumer.getmany(timeout_ms=1000, max_records=10000)
+            empty = 0 if batch else empty + 1
+            for recs in batch.values():
+                out.extend(decode(topic.record, r.value) for r in recs)
+        return out
     finally:
         await consumer.stop()
+
+
+async def _count(s: Settings, topic: T.Topic) -> int:
+    return len(await read_topic(s.kafka_bootstrap, topic))
 
 
 def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> dict:

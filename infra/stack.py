@@ -140,7 +140,10 @@ class Stack:
                       health=lambda: _http_ok(f"http://{s.host}:{s.faust_web_port}/spanrl/counters/"),
                       start_timeout_s=120),
             Component("trainer", py + ["trainer.train"],
-                      env={"OMP_NUM_THREADS": os.environ.get("SPANRL_TRAINER_THREADS", "2")},
+                      env={"OMP_NUM_THREADS": os.environ.get("SPANRL_TRAINER_THREADS", "2"),
+                           # a new run trains on samples produced from now on, not on the
+                           # samples of earlier runs kept in the topic
+                           "SPANRL_TRAINER_START": os.environ.get("SPANRL_TRAINER_START", "latest")},
                       health=lambda: _http_ok(f"http://{s.host}:{s.trainer_port}/health"),
                       start_timeout_s=300),
             Component("reloader", py + ["trainer.reloader"],

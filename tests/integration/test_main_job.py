@@ -7,33 +7,14 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from examples.math_agent.main_job import MainJobConfig, run_main_job
-from schemas import decode
+from infra.replay import read_topic
 from schemas import topics as T
 from stream_jobs.credit import grpo_advantages
 from trainer import checkpoint
 
 pytestmark = pytest.mark.integration
-
-
-async def _read_all(bootstrap: str, topic: T.Topic) -> list[dict]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                                enable_auto_commit=False)
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        out = []
-        while any(await consumer.position(tp) < ends[tp] for tp in parts):
-            for recs in (await consumer.getmany(timeout_ms=1000, max_records=10000)).values():
-                out.extend(decode(topic.record, r.value) for r in recs)
-        return out
-    finally:
-        await consumer.stop()
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +34,10 @@ def test_short_main_job(main_job, settings):
     assert Path(summary["paths"]["summary"]).exists() and Path(summary["paths"]["reward_curve"]).stat().st_size > 0
 
     bootstrap = settings.kafka_bootstrap
-    spans = [s for s in asyncio.run(_read_all(bootstrap, T.SPANS)) if s["rollout_id"] in ours]
-    transitions = [t for t in asyncio.run(_read_all(bootstrap, T.TRANSITIONS)) if t["rollout_id"] in ours]
-    samples = [x for x in asyncio.run(_read_all(bootstrap, T.SAMPLES)) if x["transition"]["rollout_id"] in ours]
-    dead = [d for d in asyncio.run(_read_all(bootstrap, T.DEAD_LETTER)) if d.get("rollout_id") in ours]
+    spans = [s for s in asyncio.run(read_topic(bootstrap, T.SPANS)) if s["rollout_id"] in ours]
+    transitions = [t for t in asyncio.run(read_topic(bootstrap, T.TRANSITIONS)) if t["rollout_id"] in ours]
+    samples = [x for x in asyncio.run(read_topic(bootstrap, T.SAMPLES)) if x["transition"]["rollout_id"] in ours]
+    dead = [d for d in asyncio.run(read_topic(bootstrap, T.DEAD_LETTER)) if d.get("rollout_id") in ours]
 
     # spans: one proxy span per LLM call, with vLLM's token ids and one log-prob per token
     calls = {s["span_id"]: s for s in spans if s["source"] == "proxy"}
@@ -104,14 +85,14 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings):
 
     ours = {r for it in main_job["iterations"] for r in it["rollout_ids"]}
     bootstrap = settings.kafka_bootstrap
-    original = [t for t in asyncio.run(_read_all(bootstrap, T.TRANSITIONS)) if t["rollout_id"] in ours]
-    n_original_total = len(asyncio.run(_read_all(bootstrap, T.TRANSITIONS)))
+    original = [t for t in asyncio.run(read_topic(bootstrap, T.TRANSITIONS)) if t["rollout_id"] in ours]
+    n_original_total = len(asyncio.run(read_topic(bootstrap, T.TRANSITIONS)))
     version = max(v for it in main_job["iterations"] for v in it["checkpoints_announced"])
     suffix = f"t{uuid.uuid4().hex[:8]}"
     result = replay(ReplayConfig(suffix=suffix, credit_rule="scaled:0.5", train_from=f"{settings.run}:{version}",
                                  train_updates=1, timeout_s=400))
     new_topic = output_topics(suffix)[0]
-    replayed = [t for t in asyncio.run(_read_all(bootstrap, new_topic)) if t["rollout_id"] in ours]
+    replayed = [t for t in asyncio.run(read_topic(bootstrap, new_topic)) if t["rollout_id"] in ours]
     key = lambda t: (t["rollout_id"], t["attempt_id"], t["span_id"])  # noqa: E731
     assert sorted(map(key, replayed)) == sorted(map(key, original))
     by_key = {key(t): t for t in original}
@@ -119,7 +100,7 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings):
         o = by_key[key(t)]
         assert t["credit_rule"] == "scaled:0.5" and t["reward"] == pytest.approx(0.5 * o["episode_return"])
         assert t["prompt_token_ids"] == o["prompt_token_ids"] and t["completion_token_ids"] == o["completion_token_ids"]
-    assert len(asyncio.run(_read_all(bootstrap, T.TRANSITIONS))) == n_original_total  # original untouched
+    assert len(asyncio.run(read_topic(bootstrap, T.TRANSITIONS))) == n_original_total  # original untouched
     run = result["training"]["run"]
     dest = settings.cache_dir / "test-downloads" / run
     manifest = checkpoint.download_checkpoint(checkpoint.make_client(settings),

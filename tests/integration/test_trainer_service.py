@@ -86,7 +86,7 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path, stack):
 
         # trainer: one update, checkpoint_every=1
         cfg = TrainerConfig(run=run, samples_topic=samples_topic, checkpoints_topic=ckpt_topic, min_batch=4,
-                            micro_batch=2, max_updates=1, checkpoint_every=1, http=False,
+                            micro_batch=2, max_updates=1, checkpoint_every=1, http=False, start="earliest",
                             log_path=tmp_path / "trainer.jsonl")
         trainer = Trainer(cfg)
         await asyncio.wait_for(trainer.serve(), timeout=240)
