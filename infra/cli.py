@@ -90,7 +90,7 @@ def _up_or_exit(stack: Stack) -> None:
 @app.command()
 def test(
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
-    pytest_args: list[str] = typer.Argument(None, help="extra pytest arguments"),
+    pytest_args: list[str] = typer.Argument(None, help="pytest arguments (default: tests)"),
 ) -> None:
     """Start the stack, run unit and integration tests (pytest), stop the stack."""
     import subprocess
@@ -99,7 +99,7 @@ def test(
     stack = _fresh_run("test")
     _up_or_exit(stack)
     try:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "tests", "-ra", *(pytest_args or [])],
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-ra", *(pytest_args or ["tests"])],
                              env={**__import__("os").environ, **stack.service_env()})
     finally:
         if not keep_up:

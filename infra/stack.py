@@ -315,14 +315,6 @@ def _kafka_cluster_id() -> str:
 
 async def ensure_topics(bootstrap: str, wanted: tuple[T.Topic, ...]) -> None:
     """Create the topics of ``wanted`` that do not exist yet (Kafka CreateTopics API)."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from producers.kafka import create_topics
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        existing = set(await admin.list_topics())
-        new = [NewTopic(t.name, t.partitions, 1, topic_configs=t.config()) for t in wanted if t.name not in existing]
-        if new:
-            await admin.create_topics(new)
-    finally:
-        await admin.close()
+    await create_topics(bootstrap, wanted)
