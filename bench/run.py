@@ -158,8 +158,12 @@ class SpanrlSide:
                 "SPANRL_ROLLOUTS_TOPIC": self.names["rollouts"],
                 "SPANRL_TRANSITIONS_TOPIC": self.names["transitions"],
                 "SPANRL_SAMPLES_TOPIC": self.names["samples"], "SPANRL_DEAD_LETTER_TOPIC": self.names["dead-letter"],
-                "SPANRL_SETTLE_S": str(self.a.settle_s),
- "SPANRL_STREAM_TICK_S": str(self.a.tick_s)}
+                "SPANRL_SETTLE_S": str(self.a.settle_s)}
+        # None: the worker's own defaults (stream_jobs.app.StreamConfig)
+        for var, value in (("SPANRL_STREAM_TICK_S", self.a.tick_s),
+                           ("SPANRL_STREAM_COMMIT_INTERVAL_S", self.a.commit_interval_s)):
+            if value is not None:
+                wenv[var] = str(value)
         # cwd: Faust writes <app_id>-data into the working directory
         self.worker = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "warn"],
                                        cwd=self.workdir, env=wenv, stdout=open(self.workdir / "worker.log", "wb"),
@@ -235,7 +239,7 @@ class SpanrlSide:
         await producer.start()
         exp = exporter(f"http://127.0.0.1:{self.bridge_port}/v1/traces")
         out: dict = {"params": {"rollouts": a.rollouts, "runs": a.runs, "batch_rollouts": a.batch_rollouts,
-                                "settle_s": a.settle_s, "tick_s": a.tick_s, "topics": self.prefix + "*"},
+                                "settle_s": a.settle_s, "tick_s": a.tick_s, "commit_interval_s": a.commit_interval_s, "topics": self.prefix + "*"},
                      "runs": []}
         try:
             # warm-up: one rollout through the whole pipeline (partition assignment, JIT-free)
@@ -323,7 +327,7 @@ class SpanrlSide:
                if len(self.seen.get(r, ())) >= shape.llm_calls]
         return {"offered_rollouts_per_s": rate, "offered_spans_per_s": rate * shape.spans_per_rollout,
                 "rollouts": n, "complete": len(lat), "p50_s": med(lat), "p99_s": pct(lat, 0.99), "max_s": max(lat),
-                "settle_s": self.a.settle_s, "tick_s": self.a.tick_s,
+                "settle_s": self.a.settle_s, "tick_s": self.a.tick_s, "commit_interval_s": self.a.commit_interval_s,
                 "measured_from": "client starts the OTLP export holding the final reward span (after the "
                                  "terminal lifecycle event was acked)",
                 "measured_to": "last transition of the rollout read (read_committed) from the transitions topic"}
@@ -442,7 +446,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch-rollouts", type=int, default=64, help="rollouts per OTLP export (64 x 8 = 512 spans, "
                    "the BatchSpanProcessor's default batch)")
     p.add_argument("--settle-s", type=float, default=2.0, help="SPANRL_SETTLE_S (default as in production)")
-    p.add_argument("--tick-s", type=float, default=1.0, help="SPANRL_STREAM_TICK_S")
+    p.add_argument("--tick-s", type=float, default=None, help="SPANRL_STREAM_TICK_S (default: the worker's, 0.5)")
+    p.add_argument("--commit-interval-s", type=float, default=None,
+                   help="SPANRL_STREAM_COMMIT_INTERVAL_S (default: the worker's, 0.5; Faust's own default is 2.8)")
 
     p.add_argument("--latency-rollouts", type=int, default=40)
     p.add_argument("--latency-rate", type=float, default=4.0, help="rollouts/s offered in the latency phase")
