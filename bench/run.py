@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from infra.stack import stop_process_group as stop
 from bench.workload import (Shape, export_ok, exporter, proc_cpu_s, proc_peak_rss_mb, reward_of,
                             rollout_spans)
 
@@ -54,17 +54,6 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(0.5)
     raise RuntimeError(f"{url} not up after {timeout}s")
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def med(xs: list[float]) -> float:

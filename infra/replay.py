@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from infra.settings import Settings, get_settings
-from infra.stack import ROOT, ensure_topics
+from infra.stack import ROOT, ensure_topics, stop_process_group
 from schemas import decode
 from schemas import topics as T
 
@@ -57,11 +57,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _input_ends(s: Settings) -> dict[TopicPartition, int]:
+async def _end_offsets(s: Settings, wanted: tuple[T.Topic, ...]) -> dict[TopicPartition, int]:
     consumer = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed")
     await consumer.start()
     try:
-        parts = [TopicPartition(t.name, p) for t in INPUTS for p in range(t.partitions)]
+        parts = [TopicPartition(t.name, p) for t in wanted for p in range(t.partitions)]
         return await consumer.end_offsets(parts)
     finally:
         await consumer.stop()
@@ -141,7 +141,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     transitions, samples, dead = output_topics(cfg.suffix)
     app_id = f"spanrl-replay-{cfg.suffix}"
     asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead)))
-    ends = asyncio.run(_input_ends(s))
+    ends = asyncio.run(_end_offsets(s, INPUTS))
     if cfg.since_ms is not None:
         asyncio.run(_seek_group_to_time(s, app_id, cfg.since_ms))
     state = (ROOT / s.state_dir).resolve()
@@ -167,16 +167,12 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
         log(f"replay consumed the inputs ({time.monotonic() - t0:.1f}s); waiting for groups to close")
         last, stable_since = None, time.monotonic()
         while time.monotonic() - stable_since < cfg.quiet_s and time.monotonic() < deadline:
-            now = (asyncio.run(_count(s, samples)), asyncio.run(_count(s, dead)))
+            now = asyncio.run(_end_offsets(s, (samples, dead)))  # moves iff something was written
             if now != last:
                 last, stable_since = now, time.monotonic()
             time.sleep(1.0)
     finally:
-        os.killpg(worker.pid, 15)
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, 9)
+        stop_process_group(worker)
     result = {"suffix": cfg.suffix, "credit_rule": cfg.credit_rule, "app_id": app_id,
               "transitions_topic": transitions.name, "samples_topic": samples.name,
               "transitions": asyncio.run(_count(s, transitions)), "samples": asyncio.run(_count(s, samples)),

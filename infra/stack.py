@@ -300,6 +300,21 @@ class Stack:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def stop_process_group(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything it spawned:
+    SIGTERM to its process group, SIGKILL after ``grace_s``. No-op if it already exited."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
 def _reap(pid: int) -> None:
     try:
         os.waitpid(pid, os.WNOHANG)

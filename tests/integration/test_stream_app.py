@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+
+from infra.stack import stop_process_group
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -143,13 +144,7 @@ def test_stream_app_end_to_end(tmp_path, stack):
     try:
         got, counters, returns = asyncio.run(_run(names, web_port, proc, time.monotonic() + 80))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc, grace_s=15)
         log.close()
         try:
             asyncio.run(_admin("delete", names, app_id))
