@@ -323,9 +323,14 @@ def _reap(pid: int) -> None:
 
 
 def _kafka_cluster_id() -> str:
+    """A random KRaft cluster id: 16 bytes, URL-safe base64 without padding, never starting
+    with '-' (the StorageTool would read it as an option; Kafka's own Uuid avoids it too)."""
     import base64
 
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 async def ensure_topics(bootstrap: str, wanted: tuple[T.Topic, ...]) -> None:
