@@ -4,7 +4,7 @@ CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
 PY := $(CACHE)/venv/bin/python
 export SPANRL_CACHE_DIR := $(CACHE)
 
-.PHONY: bootstrap demo test test-unit up down status bench
+.PHONY: bootstrap demo test test-unit up down status bench chaos
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -30,3 +30,7 @@ status:
 ## Benchmarks side by side with Agent Lightning (needs `make up`); writes bench/results/latest.json.
 bench: bootstrap
 	$(PY) -m bench.run $(ARGS)
+
+## Fault injection: SIGKILL each component mid-run, prove nothing lost or duplicated (results/chaos.json).
+chaos: bootstrap
+	$(PY) -m infra.cli chaos $(ARGS)

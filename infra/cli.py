@@ -6,6 +6,7 @@
     spanrl stack logs NAME [-n 50]         tail a component's log
     spanrl demo [--keep-up] ...            the main job (examples/math_agent/main_job.py)
     spanrl replay ...                      rebuild transitions under a new credit rule
+    spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
 """
 from __future__ import annotations
 
@@ -154,6 +155,49 @@ def replay(
         result = run_replay(ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=since_ms,
                                          train_from=train_from, train_updates=train_updates), log=console.print)
     console.print_json(json.dumps(result))
+
+
+@app.command()
+def chaos(
+    faults: str = typer.Option(None, help="comma-separated faults (default: all): "
+                               "worker,trainer,bridge,proxy,runner,kafka,minio,vllm"),
+    tasks: int = typer.Option(6, help="tasks per fault run"),
+    group_size: int = typer.Option(4, help="rollouts per task"),
+    calls: int = typer.Option(3, help="LLM calls per rollout"),
+    out: str = typer.Option("results", help="where chaos.json goes"),
+    keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
+    reuse_stack: bool = typer.Option(False, help="keep a stack left up by an earlier `chaos --keep-up`"),
+) -> None:
+    """Fault injection: for each fault, run a known workload, SIGKILL the component mid-run,
+    restart it, and account for every acknowledged call (results/chaos.json). Restarts the
+    stack with short timeouts first. Exits 1 unless every fault ends with nothing missing or
+    duplicated."""
+    from pathlib import Path
+
+    from infra.chaos import FAULTS, ChaosConfig, run_chaos
+
+    names = tuple(_names(faults) or FAULTS)
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise typer.BadParameter(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    cfg = ChaosConfig(faults=names, tasks=tasks, group_size=group_size, calls=calls, out_dir=Path(out),
+                      restart_stack=not reuse_stack)
+    try:
+        result = run_chaos(cfg, say=console.print)
+    finally:
+        if not keep_up:
+            Stack().down()
+    table = Table(title=f"chaos ({result['run']})")
+    for col in ("fault", "expected", "produced", "dead-lettered", "missing", "duplicated", "recovery s",
+                "settled s", "also restarted", "ok"):
+        table.add_column(col)
+    for f in result["faults"]:
+        table.add_row(f["fault"], str(f["expected"]), str(f["produced"]), str(f["dead_lettered"]),
+                      str(f["missing"]), str(f["duplicated"]), str(f["recovery_s"]), str(f["settled_s"]),
+                      ",".join(f["also_restarted"]) or "-", "[green]yes[/green]" if f["ok"] else "[red]no[/red]")
+    console.print(table)
+    console.print(f"{Path(out) / 'chaos.json'}")
+    raise typer.Exit(0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

@@ -98,34 +98,63 @@ async def _group_caught_up(s: Settings, group: str, ends: dict[TopicPartition, i
     return True
 
 
-async def read_topic(bootstrap: str, topic: T.Topic) -> list[dict]:
-    """Every committed record of ``topic`` from the beginning to its end now, decoded.
+async def read_records(bootstrap: str, topic: str, start: dict[int, int] | None = None
+                       ) -> list[tuple[int, int, bytes | None, bytes]]:
+    """``(partition, offset, key, value)`` of every committed record of ``topic`` from
+    ``start`` (partition -> offset; default the beginning) up to the end offsets taken now.
 
-    Reads read_committed; stops when every partition's position reached the end offset
-    taken at the start (transaction markers take offsets too, so it also stops after two
-    empty polls once the records before the end are in).
+    Reads read_committed (records of aborted transactions are invisible); stops when every
+    partition reached its end offset, or after three empty polls (transaction markers
+    take offsets too, so the last offsets may hold no record).
     """
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
                                 enable_auto_commit=False)
     await consumer.start()
     try:
-        parts = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        out: list[dict] = []
+        tps = [TopicPartition(topic, p) for p in await _partitions_of(consumer, topic)]
+        if not tps:
+            return []
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, (start or {}).get(tp.partition, 0))
+        out: list[tuple[int, int, bytes | None, bytes]] = []
         empty = 0
-        while empty < 2:
-            positions = [await consumer.position(tp) for tp in parts]
-            if all(pos >= ends[tp] for pos, tp in zip(positions, parts)):
+        while empty < 3:
+            if all([await consumer.position(tp) >= ends[tp] for tp in tps]):
                 break
-            batch = await consumer.getmany(timeout_ms=1000, max_records=10000)
+            batch = await consumer.getmany(timeout_ms=1000, max_records=20000)
             empty = 0 if batch else empty + 1
-            for recs in batch.values():
-                out.extend(decode(topic.record, r.value) for r in recs)
+            for tp, msgs in batch.items():
+                out += [(tp.partition, m.offset, m.key, m.value) for m in msgs if m.offset < ends[tp]]
         return out
     finally:
         await consumer.stop()
+
+
+async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    """partition -> end offset (read_committed: the last stable offset) of ``topic`` now."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in await _partitions_of(consumer, topic)]
+        return {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
+    parts = consumer.partitions_for_topic(topic)
+    if not parts:
+        await consumer._client.force_metadata_update()  # aiokafka has no public refresh
+        parts = consumer.partitions_for_topic(topic)
+    return sorted(parts or [])
+
+
+async def read_topic(bootstrap: str, topic: T.Topic) -> list[dict]:
+    """Every committed record of ``topic`` from the beginning to its end now, decoded
+    (see :func:`read_records`)."""
+    return [decode(topic.record, v) for _, _, _, v in await read_records(bootstrap, topic.name)]
 
 
 async def _count(s: Settings, topic: T.Topic) -> int:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from producers import instrument
-from producers.kafka import Sink, Topics, now_ms
+from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from schemas import codec
 
 log = logging.getLogger("spanrl.runner")
@@ -128,6 +128,25 @@ class Runner:
         self.runner_id = runner_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.sink = Sink(self.bootstrap, self.topics)
         self._slots = asyncio.Semaphore(concurrency)
+        #: how long lifecycle/reward records and task commits are retried while Kafka is down
+        self.kafka_deadline_s = 300.0
+
+    async def _retrying(self, what: str, op: Callable[[], Any]) -> Any:
+        """Await ``op()`` until it succeeds; retry Kafka errors with backoff (1 s doubling to
+        10 s) for ``kafka_deadline_s``, then re-raise. A lifecycle record that never reached
+        Kafka would leave its attempt to the stream job's rollout timeout."""
+        from aiokafka.errors import KafkaError
+
+        deadline, wait = time.monotonic() + self.kafka_deadline_s, 1.0
+        while True:
+            try:
+                return await op()
+            except (KafkaUnavailable, KafkaError, OSError) as exc:
+                if time.monotonic() + wait > deadline:
+                    raise
+                log.warning("%s: %s; retrying in %.0fs", what, exc, wait)
+                await asyncio.sleep(wait)
+                wait = min(10.0, wait * 2)
 
     # ---- one attempt
     def _event(self, ctx: RolloutContext, status: str, group_size: int, error: str | None = None) -> dict:
@@ -146,7 +165,8 @@ class Runner:
         ctx = RolloutContext(payload, task["task_id"], rollout_id, attempt_id,
                              f"{self.proxy_url}/rollouts/{rollout_id}/attempts/{attempt_id}/v1")
         async with self._slots:
-            await self.sink.produce([(self.topics.rollouts, rollout_id, self._event(ctx, "started", group_size))])
+            started = [(self.topics.rollouts, rollout_id, self._event(ctx, "started", group_size))]
+            await self._retrying(f"rollout {rollout_id} started", lambda: self.sink.produce(started))
             status, error, result = "succeeded", None, None
             try:
                 with instrument.rollout_context(rollout_id, attempt_id):
@@ -164,7 +184,7 @@ class Runner:
             await asyncio.to_thread(instrument.flush)
             items = [(self.topics.rewards, rollout_id, r) for r in ctx.rewards]
             items.append((self.topics.rollouts, rollout_id, self._event(ctx, status, group_size, error)))
-            await self.sink.produce(items)
+            await self._retrying(f"rollout {rollout_id} {status}", lambda: self.sink.produce(items))
         log.info("task %s rollout %s: %s%s", ctx.task_id, rollout_id, status, f" ({error})" if error else "")
         return AttemptResult(ctx.task_id, rollout_id, attempt_id, status, error, result)
 
@@ -211,7 +231,8 @@ class Runner:
                 async with commit_lock:
                     commit = tracker.finish(tp, msg.offset)
                     if commit is not None:
-                        await consumer.commit({tp: commit})
+                        await self._retrying(f"commit {tp.topic}:{tp.partition}@{commit}",
+                                             lambda: consumer.commit({tp: commit}))
             finally:
                 task_slots.release()
 

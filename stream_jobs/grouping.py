@@ -21,7 +21,9 @@ The open group of a task closes when ``group_size`` distinct rollouts are comple
 - other transitions -> dead letters ``group_incomplete`` (attempt not complete) or
   ``superseded_attempt`` (another attempt of that rollout is the member), with the
   encoded transition as payload;
-- a later transition of a rollout of a closed group -> ``group_closed``.
+- a later transition of a rollout of a closed group -> ``group_closed``; the same
+  transition delivered again after its group closed (a worker restarted after a crash
+  re-reads inputs whose state changes were already committed) -> nothing.
 
 The next transition of the task opens a new group (the runner may run a task again).
 """
@@ -35,6 +37,7 @@ from stream_jobs import dead_letters as dl
 from stream_jobs.credit import grpo_advantages, group_stats
 
 RECENT_CLOSED_MAX = 1024
+RECENT_CLOSED_SPANS_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ def add_transition(state: dict, transition: dict, store: MutableMapping,
     """Add one transition (decoded transition.v1); closes the group when it is full."""
     tid, rid, aid, sid = (transition["task_id"], transition["rollout_id"],
                           transition["attempt_id"], transition["span_id"])
+    if sid in state.get("closed_spans", ()):
+        return GroupOutcome()  # re-delivered after its group closed: counted once
     if rid in state["recent_closed"]:
         return GroupOutcome(dead_letters=[_dead(dl.GROUP_CLOSED, transition, now_ms,
                                                 "its group already closed")])
@@ -143,6 +148,8 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
             store.pop(store_key(tid, m["rollout_id"], m["attempt_id"], s), None)
     rids = sorted({m["rollout_id"] for m in g["members"].values()})
     state["recent_closed"] = (state["recent_closed"] + rids)[-RECENT_CLOSED_MAX:]
+    spans = sorted(s for m in g["members"].values() for s in m["spans"])
+    state["closed_spans"] = (state.get("closed_spans", []) + spans)[-RECENT_CLOSED_SPANS_MAX:]
     state["open"] = None
     return out
 

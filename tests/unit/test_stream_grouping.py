@@ -59,7 +59,7 @@ def test_second_group_for_same_task_after_close():
     state, store = grouping.new_state("t1"), {}
     first = feed(state, store, [tr("r1", 0, 1.0, n=1), tr("r2", 0, 0.0, n=1)])
     assert {x["group_id"] for x in first.samples} == {"t1/0"}
-    late = feed(state, store, [tr("r1", 0, 1.0, n=1)])
+    late = feed(state, store, [tr("r1", 1, 1.0, n=1)])  # another call of closed rollout r1
     assert [d["reason"] for d in late.dead_letters] == ["group_closed"]
     second = feed(state, store, [tr("r3", 0, 3.0, n=1), tr("r4", 0, 1.0, n=1)])
     assert {x["group_id"] for x in second.samples} == {"t1/1"}
@@ -99,3 +99,18 @@ def test_second_attempt_of_same_rollout_is_superseded():
     assert [(x["transition"]["rollout_id"], x["transition"]["attempt_id"]) for x in out.samples] == [
         ("r1", "a0"), ("r2", "a0")]
     assert [(d["reason"], d["rollout_id"]) for d in out.dead_letters] == [("superseded_attempt", "r1")]
+
+
+def test_transition_read_again_after_its_group_closed_is_a_no_op():
+    """A restarted worker re-reads inputs whose state changes were already committed (the
+    changelog may run ahead of the source offsets): a closed group's transition read again
+    yields nothing; a new call of a closed rollout is still dead-lettered group_closed."""
+    state, store = grouping.new_state("t1"), {}
+    first = [tr("r1", 0, 1.0), tr("r1", 1, 1.0), tr("r2", 0, 0.0), tr("r2", 1, 0.0)]
+    assert len(feed(state, store, first).samples) == 4
+    assert state["closed_spans"] == ["r1-a0-0", "r1-a0-1", "r2-a0-0", "r2-a0-1"]
+    again = feed(state, store, first)
+    assert (again.samples, again.dead_letters) == ([], [])
+    late = feed(state, store, [tr("r1", 2, 1.0, n=3)])
+    assert [d["reason"] for d in late.dead_letters] == ["group_closed"]
+    assert store == {}

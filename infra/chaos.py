@@ -1,0 +1,384 @@
+"""``make chaos``: SIGKILL each component mid-run, restart it, and prove nothing was lost or
+duplicated (issue 3). Writes ``results/chaos.json`` (and a table on the console).
+
+For each fault (in separate runs on one stack): publish a workload of known size (``tasks``
+tasks x ``group_size`` rollouts x ``calls`` LLM calls, known rewards; infra/chaos_workload.py)
+to its own tasks topic, start the runner process, wait until a fraction of the calls were
+acknowledged, SIGKILL the component's process group, restart it after ``down_s`` and time
+its recovery. Components the fault took down with it are restarted too and reported.
+Tasks whose attempts failed during the fault get make-up runs (same task id) so the
+workload completes. Then wait until the stream jobs and the trainer have caught up and
+account (infra/ledger.py) from what Kafka holds (read_committed):
+
+- calls acknowledged by the proxy -> exactly one transition, or dead-lettered with a reason;
+- transitions -> exactly one sample (or a grouper dead letter); advantages recomputed;
+- every 2xx the client got (calls, bridge spans, rewards) is in Kafka;
+- the trainer: checkpoint manifests chain without gaps or overlaps and its trained
+  offsets reach the last sample of the run.
+
+The stack is (re)started with short timeouts (``CHAOS_ENV``) and a fresh trainer run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from infra import ledger
+from infra.chaos_workload import AckLog
+from infra.replay import end_offsets, read_records
+from infra.settings import Settings, get_settings
+from infra.stack import ROOT, Stack, stop_process_group
+from producers.kafka import Topics, create_topics
+from producers.runner import publish_tasks
+from schemas import codec
+from schemas import topics as T
+from trainer import checkpoint
+
+#: fault name -> stack component it kills ("runner" is the workload's own process)
+FAULTS: dict[str, str] = {
+    "worker": "stream", "trainer": "trainer", "bridge": "bridge", "proxy": "proxy", "runner": "runner",
+    "kafka": "kafka", "minio": "minio", "vllm": "vllm",
+}
+#: environment of the stack during chaos: timeouts short enough that a killed attempt is
+#: dead-lettered within the run, checkpoints every update, small batches
+CHAOS_ENV = {
+    "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
+    "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12", "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
+    "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
+}
+
+
+@dataclass
+class ChaosConfig:
+    """faults: names from FAULTS, in order; tasks x group_size rollouts of ``calls`` calls per fault;
+    kill_at: fraction of the run's calls acknowledged before the kill; down_s: seconds the
+    component stays dead (MinIO longer, so a checkpoint upload meets the outage)."""
+
+    faults: tuple[str, ...] = tuple(FAULTS)
+    tasks: int = 6
+    group_size: int = 4
+    calls: int = 3
+    pace_s: float = 0.5
+    concurrency: int = 4
+    kill_at: float = 0.35
+    down_s: dict = field(default_factory=lambda: {"minio": 20.0, "kafka": 5.0})
+    default_down_s: float = 3.0
+    settle_timeout_s: float = 300.0
+    makeup_rounds: int = 3
+    out_dir: Path = Path("results")
+    restart_stack: bool = True  # False: keep a running (chaos-started) stack and its run
+
+
+# ------------------------------------------------------------------------- Kafka reads
+def _decode_all(record: str, rows) -> list[dict]:
+    out = []
+    for p, off, _, value in rows:
+        try:
+            out.append({**codec.decode(record, value), "_partition": p, "_offset": off})
+        except codec.SchemaError:
+            pass  # not ours to account (the stream job dead-letters undecodable input)
+    return out
+
+
+@dataclass
+class Snapshot:
+    """What Kafka holds for one fault run, decoded and filtered to its rollouts."""
+
+    events: list[dict]
+    calls: list[dict]
+    spans: list[dict]
+    rewards: list[dict]
+    transitions: list[dict]
+    samples: list[dict]
+    dead_letters: list[dict]
+
+    @property
+    def rollout_ids(self) -> set[str]:
+        return {e["rollout_id"] for e in self.events}
+
+
+async def snapshot(s: Settings, task_ids: set[str], start: dict[str, dict[int, int]]) -> Snapshot:
+    b = s.kafka_bootstrap
+    events = [e for e in _decode_all("rollout", await read_records(b, T.ROLLOUTS.name, start[T.ROLLOUTS.name]))
+              if e["task_id"] in task_ids]
+    rids = {e["rollout_id"] for e in events}
+    spans = [x for x in _decode_all("span", await read_records(b, T.SPANS.name, start[T.SPANS.name]))
+             if x["rollout_id"] in rids]
+    rewards = [x for x in _decode_all("reward", await read_records(b, T.REWARDS.name, start[T.REWARDS.name]))
+               if x["rollout_id"] in rids]
+    transitions = [x for x in _decode_all("transition", await read_records(
+        b, T.TRANSITIONS.name, start[T.TRANSITIONS.name])) if x["rollout_id"] in rids]
+    samples = [x for x in _decode_all("sample", await read_records(b, T.SAMPLES.name, start[T.SAMPLES.name]))
+               if x["transition"]["rollout_id"] in rids]
+    dead = []
+    for d in _decode_all("dead_letter", await read_records(b, T.DEAD_LETTER.name, start[T.DEAD_LETTER.name])):
+        if d.get("payload") and d.get("stage") == "grouper":
+            try:
+                d["transition"] = codec.decode("transition", d["payload"])
+                d["rollout_id"] = d["rollout_id"] or d["transition"]["rollout_id"]
+            except codec.SchemaError:
+                pass
+        if d.get("rollout_id") in rids:
+            dead.append(d)
+    calls = [x for x in spans if x["kind"] == "llm" and x.get("source") == "proxy"]
+    return Snapshot(events, calls, spans, rewards, transitions, samples, dead)
+
+
+# ------------------------------------------------------------------------- processes
+class RunnerProcess:
+    """The workload's runner (python -m infra.chaos_workload) in its own process group."""
+
+    def __init__(self, stack: Stack, tasks_topic: str, ack_log: Path, cfg: ChaosConfig):
+        self.stack, self.tasks_topic, self.ack_log, self.cfg = stack, tasks_topic, ack_log, cfg
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.stack.logs / "chaos-runner.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.chaos_workload", "--tasks-topic", self.tasks_topic,
+             "--ack-log", str(self.ack_log), "--calls", str(self.cfg.calls), "--pace", str(self.cfg.pace_s),
+             "--concurrency", str(self.cfg.concurrency)],
+            cwd=ROOT, env={**os.environ, **self.stack.service_env()}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout_s) if self.proc else 0
+        except subprocess.TimeoutExpired:
+            stop_process_group(self.proc, 10)
+            return None
+
+
+def kill_component(stack: Stack, name: str) -> None:
+    """SIGKILL a stack component's whole process group (no grace, no cleanup)."""
+    pid = stack._pid(name)
+    if pid is None:
+        raise RuntimeError(f"{name} is not running")
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while stack._pid(name) is not None and time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+
+
+def heal(stack: Stack, grace_s: float = 30.0) -> list[str]:
+    """Restart every component that is not running or stays unhealthy for ``grace_s``;
+    returns their names (collateral damage of a fault)."""
+    restarted = []
+    for name in stack.components:
+        deadline = time.monotonic() + grace_s
+        while not (stack.running(name) and stack.healthy(name)) and time.monotonic() < deadline:
+            if not stack.running(name):
+                break
+            time.sleep(1)
+        if not (stack.running(name) and stack.healthy(name)):
+            stack.stop(name)
+            stack.start(name)
+            restarted.append(name)
+    return restarted
+
+
+def _get_json(url: str) -> dict:
+    try:
+        return httpx.get(url, timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def trainer_status(s: Settings) -> dict:
+    return _get_json(f"http://{s.host}:{s.trainer_port}/status")
+
+
+def manifests(s: Settings, run: str) -> list[dict]:
+    """Every checkpoint manifest of ``run`` in MinIO, by version."""
+    client = checkpoint.make_client(s)
+    latest = checkpoint.latest_version_in_store(client, s.checkpoint_bucket, run) or 0
+    out = []
+    for v in range(1, latest + 1):
+        try:
+            resp = client.get_object(s.checkpoint_bucket, f"{run}/{v:06d}/{checkpoint.MANIFEST}")
+            out.append(json.loads(resp.read()))
+            resp.close()
+        except Exception as exc:  # noqa: BLE001 - a missing version is a finding, not a crash
+            out.append({"version": v, "missing": repr(exc)})
+    return out
+
+
+def trainer_problems(ms: list[dict]) -> list[str]:
+    """Gaps/overlaps in the checkpoint chain (trainer.checkpoint.check_offset_chain when it
+    exists, else: versions consecutive, parents right, trained offsets never going back)."""
+    check = getattr(checkpoint, "check_offset_chain", None)
+    if check is not None:
+        return list(check(ms))
+    problems, prev = [], None
+    for m in ms:
+        if "missing" in m:
+            problems.append(f"v{m['version']}: manifest missing ({m['missing']})")
+            prev = None
+            continue
+        if prev is not None:
+            if m.get("parent_version") != prev["version"]:
+                problems.append(f"v{m['version']}: parent {m.get('parent_version')} != {prev['version']}")
+            for k, off in prev["trained_offsets"].items():
+                if m["trained_offsets"].get(k, 0) < off:
+                    problems.append(f"v{m['version']}: {k} went back {off} -> {m['trained_offsets'].get(k)}")
+        prev = m
+    return problems
+
+
+# ------------------------------------------------------------------------- one fault
+def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], None] = print) -> dict:
+    """Run the workload, inject ``fault``, recover, account. Returns the chaos.json entry."""
+    s = stack.s
+    fid = f"{fault}-{uuid.uuid4().hex[:6]}"
+    tasks_topic = T.Topic(f"chaos-tasks.{fid}", "task_id", "task", 1)
+    asyncio.run(create_topics(s.kafka_bootstrap, (tasks_topic,)))
+    watched = (T.ROLLOUTS, T.SPANS, T.REWARDS, T.TRANSITIONS, T.SAMPLES, T.DEAD_LETTER)
+    start = {t.name: asyncio.run(end_offsets(s.kafka_bootstrap, t.name)) for t in watched}
+    task_ids = [f"{fid}-t{i}" for i in range(cfg.tasks)]
+    topics = replace(Topics(), tasks=tasks_topic)
+    asyncio.run(publish_tasks([{"task_id": t, "payload": json.dumps({"n": i}), "group_size": cfg.group_size,
+                                "timeout_s": 300.0} for i, t in enumerate(task_ids)], s.kafka_bootstrap, topics))
+    ack_log = stack.state / "chaos" / f"{fid}.jsonl"
+    runner = RunnerProcess(stack, tasks_topic.name, ack_log, cfg)
+    t0 = time.monotonic()
+    runner.start()
+    planned = cfg.tasks * cfg.group_size * cfg.calls
+    component = FAULTS[fault]
+    updates0 = trainer_status(s).get("updates", 0)
+
+    # wait for the moment to strike
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        calls = sum(1 for a in AckLog.read(ack_log) if a["kind"] == "call")
+        if component in ("trainer", "minio"):
+            st = trainer_status(s)
+            if st.get("buffered", 0) > 0 or st.get("updates", 0) > updates0:
+                time.sleep(2.0)
+                break
+        elif calls >= cfg.kill_at * planned:
+            break
+        if runner.proc.poll() is not None and component != "runner":
+            break
+        time.sleep(0.5)
+    acked_at_kill = sum(1 for a in AckLog.read(ack_log) if a["kind"] == "call")
+    say(f"{fault}: SIGKILL {component} after {acked_at_kill}/{planned} acknowledged calls")
+    t_kill = time.monotonic()
+    if component == "runner":
+        runner.kill()
+    else:
+        kill_component(stack, component)
+    time.sleep(cfg.down_s.get(fault, cfg.default_down_s))
+    if component == "runner":
+        runner.start()
+    else:
+        stack.start(component)
+    recovery_s = time.monotonic() - t_kill
+    collateral = heal(stack)
+    say(f"{fault}: {component} healthy again after {recovery_s:.1f}s"
+        + (f"; also restarted: {', '.join(collateral)}" if collateral else ""))
+
+    # let the runner finish, then make up failed attempts so the workload completes
+    runner.wait(600)
+    makeups = 0
+    for _ in range(cfg.makeup_rounds):
+        snap = asyncio.run(snapshot(s, set(task_ids), start))
+        short = _short_tasks(snap.events, task_ids, cfg.group_size)
+        if not short:
+            break
+        makeups += sum(short.values())
+        say(f"{fault}: make-up attempts: {sum(short.values())} over {len(short)} tasks")
+        asyncio.run(publish_tasks([{"task_id": t, "payload": json.dumps({"n": task_ids.index(t)}),
+                                    "group_size": n, "timeout_s": 300.0} for t, n in short.items()],
+                                  s.kafka_bootstrap, topics))
+        runner.start()
+        runner.wait(600)
+
+    # wait for the stream jobs and the trainer to catch up, then account
+    deadline = time.monotonic() + cfg.settle_timeout_s
+    while True:
+        snap = asyncio.run(snapshot(s, set(task_ids), start))
+        acc = ledger.account(calls=snap.calls, events=snap.events, transitions=snap.transitions,
+                             samples=snap.samples, dead_letters=snap.dead_letters, rewards=snap.rewards,
+                             spans=snap.spans, acked=AckLog.read(ack_log))
+        last_sample = max((x["_offset"] for x in snap.samples), default=None)
+        trained = trainer_status(s).get("trained_offsets", {}).get(f"{T.SAMPLES.name}:0", 0)
+        caught_up = last_sample is None or trained > last_sample
+        if (acc.ok and caught_up) or time.monotonic() > deadline:
+            break
+        collateral += [n for n in heal(stack, grace_s=10) if n not in collateral]
+        time.sleep(3)
+    settled_s = time.monotonic() - t_kill
+    ms = manifests(s, s.run)
+    tp = trainer_problems(ms)
+    entry = {
+        "fault": fault, "component": component, "run_id": fid,
+        "planned_calls": planned, "acknowledged_at_kill": acked_at_kill,
+        "expected": acc.calls_acknowledged, "produced": acc.transitions, "missing": acc.missing,
+        "duplicated": acc.duplicated + acc.samples_duplicated, "dead_lettered": acc.dead_lettered,
+        "recovery_s": round(recovery_s, 1), "settled_s": round(settled_s, 1),
+        "also_restarted": collateral, "makeup_attempts": makeups,
+        "trainer": {"caught_up": caught_up, "trained_offset": trained, "last_sample_offset": last_sample,
+                    "versions": len(ms), "problems": tp},
+        "account": acc.to_dict(), "wall_s": round(time.monotonic() - t0, 1),
+    }
+    entry["ok"] = acc.ok and caught_up and not tp
+    return entry
+
+
+def _short_tasks(events: list[dict], task_ids: list[str], group_size: int) -> dict[str, int]:
+    """task_id -> attempts still needed so each task has ``group_size`` succeeded attempts."""
+    ok: dict[str, set[str]] = {t: set() for t in task_ids}
+    for e in events:
+        if e["status"] == "succeeded" and e["task_id"] in ok:
+            ok[e["task_id"]].add(e["rollout_id"])
+    return {t: group_size - len(r) for t, r in ok.items() if len(r) < group_size}
+
+
+# ------------------------------------------------------------------------- the whole run
+def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> dict:
+    """Start the stack with CHAOS_ENV and a fresh run, run every fault, write chaos.json."""
+    os.environ.update(CHAOS_ENV)
+    running_run = None if cfg.restart_stack else trainer_status(get_settings()).get("run")
+    os.environ["SPANRL_RUN"] = running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    get_settings.cache_clear()
+    stack = Stack(get_settings())
+    if cfg.restart_stack:
+        stack.down()
+    stack.up(progress=lambda n: say(f"starting {n} …"))
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    out = cfg.out_dir / "chaos.json"
+    result = {"run": stack.s.run, "config": {k: (str(v) if isinstance(v, Path) else v)
+                                             for k, v in asdict(cfg).items()},
+              "env": CHAOS_ENV, "faults": []}
+    try:
+        for fault in cfg.faults:
+            entry = run_fault(stack, fault, cfg, say)
+            result["faults"].append(entry)
+            out.write_text(json.dumps(result, indent=2))
+            say(f"{fault}: {'OK' if entry['ok'] else 'FAILED'}: expected {entry['expected']}, produced "
+                f"{entry['produced']}, dead-lettered {entry['dead_lettered']}, missing {entry['missing']}, "
+                f"duplicated {entry['duplicated']}")
+    finally:
+        result["ok"] = bool(result["faults"]) and all(f["ok"] for f in result["faults"])
+        out.write_text(json.dumps(result, indent=2))
+    return result
