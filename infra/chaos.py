@@ -180,20 +180,27 @@ def kill_component(stack: Stack, name: str) -> None:
         time.sleep(0.1)
 
 
-def heal(stack: Stack, grace_s: float = 30.0) -> list[str]:
-    """Restart every component that is not running or stays unhealthy for ``grace_s``;
-    returns their names (collateral damage of a fault)."""
+def heal(stack: Stack, unhealthy_grace_s: float = 120.0) -> list[str]:
+    """Restart every component whose process exited, and any that stays unhealthy for
+    ``unhealthy_grace_s`` (a trainer inside a long update may answer health checks slowly);
+    returns ``"name (exited)"`` / ``"name (unhealthy)"`` for each (collateral of a fault)."""
     restarted = []
     for name in stack.components:
-        deadline = time.monotonic() + grace_s
-        while not (stack.running(name) and stack.healthy(name)) and time.monotonic() < deadline:
+        why = None
+        if not stack.running(name):
+            why = "exited"
+        elif not stack.healthy(name):
+            deadline = time.monotonic() + unhealthy_grace_s
+            while stack.running(name) and not stack.healthy(name) and time.monotonic() < deadline:
+                time.sleep(1)
             if not stack.running(name):
-                break
-            time.sleep(1)
-        if not (stack.running(name) and stack.healthy(name)):
+                why = "exited"
+            elif not stack.healthy(name):
+                why = "unhealthy"
+        if why:
             stack.stop(name)
             stack.start(name)
-            restarted.append(name)
+            restarted.append(f"{name} ({why})")
     return restarted
 
 
@@ -325,7 +332,7 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
         caught_up = last_sample is None or trained > last_sample
         if (acc.ok and caught_up) or time.monotonic() > deadline:
             break
-        collateral += [n for n in heal(stack, grace_s=10) if n not in collateral]
+        collateral += heal(stack)
         time.sleep(3)
     settled_s = time.monotonic() - t_kill
     ms = manifests(s, s.run)
