@@ -417,3 +417,141 @@ async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack,
             await asyncio.to_thread(light_stack.start, "minio")
         _remove_run(minio, s.checkpoint_bucket, run)
         shutil.rmtree(s.cache_dir / "checkpoints" / run, ignore_errors=True)
+
+
+# ---- policy-version labels across vLLM and proxy restarts (needs vLLM) -----------------
+
+async def _spans(topic: str, rollout_id: str) -> list[dict]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from schemas.codec import decode
+    from trainer.train import _partitions
+
+    c = AIOKafkaConsumer(bootstrap_servers=get_settings().kafka_bootstrap, group_id=None,
+                         isolation_level="read_committed", enable_auto_commit=False)
+    await c.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in await _partitions(c, topic)]
+        c.assign(tps)
+        end = await c.end_offsets(tps)
+        await c.seek_to_beginning(*tps)
+        out = []
+        while any([await c.position(t) < end[t] for t in tps]):
+            for msgs in (await c.getmany(timeout_ms=1000)).values():
+                out += [decode("span", m.value) for m in msgs]
+        return [x for x in out if x["rollout_id"] == rollout_id]
+    finally:
+        await c.stop()
+
+
+async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, light_stack):
+    """The proxy starts with the reloader's served version (not 0); when vLLM goes, the
+    proxy answers 503 policy_unsynced (never a call under a wrong label) until the
+    reloader has reloaded the served checkpoint into the restarted vLLM and posted it."""
+    from aiokafka import AIOKafkaProducer
+
+    from producers.kafka import Topics, create_topics, delete_topics
+
+    s = get_settings()
+    light_stack.up(["vllm"])
+    await _vllm_ready(s.vllm_url)
+    tag = uuid.uuid4().hex[:8]
+    run, ckpt_topic = f"trlabel-{tag}", f"trlabel-checkpoints-{tag}"
+    topics = Topics.with_prefix(f"trlabel-{tag}-")
+    await create_topics(s.kafka_bootstrap, topics.all())
+    admin = await _topics(ckpt_topic)
+    minio = checkpoint.make_client(s)
+    # "v1": the base weights under a checkpoint manifest (the label is what is tested)
+    ckpt = tmp_path / "000001"
+    shutil.copytree(s.model_dir, ckpt)
+    manifest = checkpoint.write_manifest(ckpt, run=run, version=1, parent_version=0, base_model="base", step=1,
+                                         trained_offsets={}, metrics={})
+    uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+    rl = Reloader(ReloaderConfig(run=run, checkpoints_topic=ckpt_topic, start="latest", watch_interval_s=1.0))
+    reloader_task = proxy = None
+    proxy_url = s.proxy_url
+    chat_url = f"{proxy_url}/rollouts/{run}/attempts/0/v1/chat/completions"
+    body = {"model": s.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    try:
+        await asyncio.to_thread(checkpoint.upload_checkpoint, minio, ckpt, uri)
+        producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap)
+        await producer.start()
+        await producer.send_and_wait(ckpt_topic, encode("checkpoint", {
+            "run": run, "version": 1, "uri": uri, "step": 1, "parent_version": 0,
+            "manifest_sha256": checkpoint.manifest_sha256(ckpt), "created_ms": int(time.time() * 1000),
+            "metrics": {}}), key=run.encode())
+        await producer.stop()
+        reloader_task = asyncio.create_task(rl.serve())
+        await _wait_for("the reloader to serve v1", lambda: rl.vllm_synced and rl.served_version == 1, 300)
+
+        # (a) a proxy started now asks the reloader: v1, not 0
+        proxy = subprocess.Popen([sys.executable, "-m", "producers.proxy", "--port", str(s.proxy_port),
+                                  "--topic-prefix", f"trlabel-{tag}-", "--vllm-url", s.vllm_url,
+                                  "--reloader-url", f"http://{s.host}:{s.reloader_port}"], cwd=ROOT,
+                                 start_new_session=True)
+        async with httpx.AsyncClient(timeout=120) as http:
+            async def proxy_state() -> dict:
+                try:
+                    return (await http.get(f"{proxy_url}/admin/policy_version")).json()
+                except httpx.HTTPError:
+                    return {}
+
+            deadline = time.monotonic() + 60
+            while not (await proxy_state()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert (await proxy_state())["version"] == 1 and (await proxy_state())["synced"] is True
+            assert (await http.post(chat_url, json=body)).status_code == 200
+
+            # (b) vLLM goes: the proxy is told (no call needed) and refuses calls
+            await asyncio.to_thread(light_stack.stop, "vllm")
+            deadline = time.monotonic() + 30
+            while (await proxy_state())["synced"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert (await proxy_state())["synced"] is False
+            r = await http.post(chat_url, json=body)
+            assert (r.status_code, r.json()["error"]["type"]) == (503, "policy_unsynced") and r.headers["retry-after"]
+
+            # vLLM back (base weights): calls are refused until the reloader re-applied v1
+            answers: list[tuple[float, int]] = []
+
+            async def keep_calling():
+                while True:
+                    try:
+                        answers.append((time.time() * 1000, (await http.post(chat_url, json=body)).status_code))
+                    except httpx.HTTPError:
+                        answers.append((time.time() * 1000, -1))
+                    await asyncio.sleep(0.5)
+
+            caller = asyncio.create_task(keep_calling())
+            await asyncio.to_thread(light_stack.start, "vllm")
+            deadline = time.monotonic() + 120
+            while not (await proxy_state())["synced"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(2)
+            caller.cancel()
+            await asyncio.gather(caller, return_exceptions=True)
+            assert (await proxy_state()) == {"version": 1, "checkpoint": uri, "synced": True, "managed": True,
+                                             "reason": None}
+            reapply = [h for h in rl.history if h.get("event") == "reapply" and h["reloaded"]]
+            assert reapply, rl.history
+            reapplied_ms = reapply[-1]["at_ms"] + reapply[-1]["reload_s"] * 1000
+            assert [st for t, st in answers if t < reapplied_ms and st == 200] == [], answers
+            assert 200 in [st for _, st in answers], answers
+            assert (await http.post(chat_url, json=body)).status_code == 200
+        spans = await _spans(topics.spans.name, run)
+        assert len(spans) >= 3 and {sp["llm"]["policy_version"] for sp in spans} == {1}
+        assert manifest["version"] == 1
+    finally:
+        if proxy is not None:
+            os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(20)
+        rl.stop()
+        if reloader_task is not None:
+            await asyncio.wait_for(reloader_task, 30)
+        if light_stack.healthy("vllm"):
+            await reload_vllm(s.vllm_url, s.model_dir)
+        await admin.delete_topics([ckpt_topic])
+        await admin.close()
+        await delete_topics(s.kafka_bootstrap, [t.name for t in topics.all()])
+        _remove_run(minio, s.checkpoint_bucket, run)
+        shutil.rmtree(s.cache_dir / "checkpoints" / run, ignore_errors=True)
