@@ -228,7 +228,8 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
     except (httpx.HTTPError, ValueError) as exc:
         log.debug("reloader at %s: %s", reloader_url, exc)
         return False
-    if policy.adopt(answer, epoch):
+    before = policy.view()
+    if policy.adopt(answer, epoch) and policy.view() != before:
         log.info("policy version from the reloader: %s", policy.view())
     return True
 

@@ -175,8 +175,18 @@ class Reloader:
                       self.served_version)
             return False
         entry["verified"], entry["error"] = True, None
+        return await self.load(version, dest, uri, entry)
+
+    async def load(self, version: int, ckpt_dir: Path, uri: str, entry: dict | None = None) -> bool:
+        """Make the verified checkpoint dir ``ckpt_dir`` the target, reload it into vLLM and
+        post its version to the proxy; True when vLLM now serves it (else the watch
+        retries). ``entry``: the history record to fill in."""
+        if entry is None:
+            entry = {"version": version, "uri": uri, "verified": True, "reloaded": False, "reload_s": None,
+                     "error": None, "at_ms": int(time.time() * 1000)}
+            self.history.append(entry)
         async with self._lock:
-            self.target = {"version": version, "dir": str(dest), "uri": uri}
+            self.target = {"version": version, "dir": str(ckpt_dir), "uri": uri}
             self._apply_failures, self._next_apply_at = 0, 0.0
             return await self._apply(entry)
 
