@@ -425,7 +425,8 @@ class Trainer:
             parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
             trained_offsets=trained, consumed_offsets=consumed, metrics=metrics)
         self.state.pending_checkpoint = uri
-        await self._retry(f"upload {uri}", lambda: asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri))
+        await self._retry(f"upload {uri}",
+                          lambda: asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri))
         await self._retry(f"announce {self.run} v{version}", lambda: self.announce(uri, manifest, out))
         self.state.version = version
         self.state.last_checkpoint = uri

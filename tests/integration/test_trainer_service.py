@@ -238,7 +238,8 @@ async def _wait_for(what: str, cond, timeout_s: float, proc: subprocess.Popen | 
     deadline = time.monotonic() + timeout_s
     while not cond():
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"trainer exited {proc.returncode} waiting for {what}:\n{log.read_text()[-3000:] if log else ''}")
+            tail = log.read_text()[-3000:] if log else ""
+            pytest.fail(f"trainer exited {proc.returncode} waiting for {what}:\n{tail}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else ""))
         await asyncio.sleep(0.5)
@@ -349,7 +350,8 @@ async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack,
         manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio, uri, tmp_path / "v1")
         assert (manifest["consumed_offsets"], manifest["trained_offsets"]) == ({key: [3, 7]}, {key: 7})
         anns = await read_announcements(ckpt_topic, run, s.kafka_bootstrap)
-        assert [(a["version"], a["manifest_sha256"]) for a in anns] == [(1, checkpoint.manifest_sha256(tmp_path / "v1"))]
+        sha = checkpoint.manifest_sha256(tmp_path / "v1")
+        assert [(a["version"], a["manifest_sha256"]) for a in anns] == [(1, sha)]
         # the same upload again (a retry whose first reply was lost) is a no-op; other bytes are refused
         out = s.cache_dir / "trainer" / run / "000001"
         await asyncio.to_thread(checkpoint.upload_checkpoint, minio, out, uri)
