@@ -279,7 +279,7 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
     try:
         await _produce(samples_topic, 0, 3)  # before the run: not its samples (start=latest)
         first = start(SPANRL_TRAINER_MIN_BATCH="1000", SPANRL_TRAINER_IDLE_FLUSH_S="3600")
-        await _wait_for("first start", lambda: _events(jsonl, "start"), 240, first, tmp_path / "trainer-0.log")
+        await _wait_for("first start", lambda: _events(jsonl, "start"), 420, first, tmp_path / "trainer-0.log")
         [marker_ev] = _events(jsonl, "start_marker")
         assert marker_ev["offsets"] == {key: 3}
         marker = checkpoint.read_start_marker(minio, s.checkpoint_bucket, run)
@@ -294,11 +294,11 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
 
         second = start(SPANRL_TRAINER_MIN_BATCH="6", SPANRL_TRAINER_IDLE_FLUSH_S="3600",
                        SPANRL_TRAINER_MAX_UPDATES="1")
-        await _wait_for("the restart", lambda: len(_events(jsonl, "start")) == 2, 240, second,
+        await _wait_for("the restart", lambda: len(_events(jsonl, "start")) == 2, 420, second,
                         tmp_path / "trainer-1.log")
         restart = _events(jsonl, "start")[1]
         assert (restart["offsets"], restart["from"]) == ({key: 3}, {key: "marker"})
-        rc = await asyncio.to_thread(second.wait, 240)
+        rc = await asyncio.to_thread(second.wait, 420)
         assert rc == 0, (tmp_path / "trainer-1.log").read_text()[-3000:]
         assert len(_events(jsonl, "start_marker")) == 1  # the marker is written once
         [upd] = _events(jsonl, "update")
@@ -338,7 +338,7 @@ async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack,
     try:
         await asyncio.to_thread(light_stack.stop, "minio")
         publish = asyncio.create_task(tr.publish())
-        await _wait_for("2 upload retries", lambda: len(_events(jsonl, "retry")) >= 2, 120)
+        await _wait_for("2 upload retries", lambda: len(_events(jsonl, "retry")) >= 2, 300)
         assert not publish.done() and tr.state.version == 0
         assert tr.state.pending_checkpoint == checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
         await asyncio.to_thread(light_stack.start, "minio")
@@ -368,7 +368,7 @@ async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack,
         await asyncio.to_thread(light_stack.stop, "minio")
         publish = asyncio.create_task(tr.publish())
         n = len(_events(jsonl, "retry"))
-        await _wait_for("a retry of v2", lambda: len(_events(jsonl, "retry")) > n, 120)
+        await _wait_for("a retry of v2", lambda: len(_events(jsonl, "retry")) > n, 300)
         tr.stop()
         with pytest.raises(checkpoint.Stopped):
             await asyncio.wait_for(publish, 60)
@@ -403,7 +403,7 @@ async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack,
         await asyncio.to_thread(light_stack.stop, "minio")
         entry: dict = {}
         fetch = asyncio.create_task(rl.fetch(ann, entry))
-        await _wait_for("a download retry", lambda: entry.get("retries", 0) >= 1, 120)
+        await _wait_for("a download retry", lambda: entry.get("retries", 0) >= 1, 300)
         assert not fetch.done() and not dest.exists()
         await asyncio.to_thread(light_stack.start, "minio")
         assert await asyncio.wait_for(fetch, 180) == dest
