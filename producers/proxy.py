@@ -7,10 +7,16 @@ An agent points its OpenAI client at the per-rollout base URL
 token ids and log-probs of every call, records them (never re-tokenised) with the
 current policy version in a Span (source=proxy, kind=llm), waits for Kafka to
 acknowledge it, and only then returns vLLM's answer, minus what the client did not ask for.
+
+The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
+``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
+restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
+until the reloader has reloaded vLLM and posts a version again (see :class:`PolicyState`).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
@@ -137,18 +143,111 @@ class SequenceCounter:
         return next(self._counters.setdefault((rollout_id, attempt_id), itertools.count()))
 
 
+def vllm_lost(exc: Exception) -> bool:
+    """Whether an httpx error talking to vLLM means vLLM may have gone (and may come back
+    with other weights): refused/reset connections and broken protocol, not timeouts
+    (a slow vLLM still holds its weights)."""
+    return isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
+
+
+class PolicyState:
+    """The policy version the proxy stamps on calls, and whether that label is known true.
+
+    - static (no reloader has spoken yet): the configured version, always synced;
+    - managed (the reloader posted a version or a policy, or told it unsynced): a vLLM
+      transport error makes it unsynced (vLLM may come back with its base weights), and
+      calls are refused (503 policy_unsynced) until a version is set again.
+    ``epoch`` counts the times it became unsynced: a version read from the reloader is
+    adopted only if no unsync happened while it was being read (:meth:`adopt`).
+    """
+
+    def __init__(self, version: int = 0, checkpoint: str = ""):
+        self.version, self.checkpoint = version, checkpoint
+        self.synced, self.managed = True, False
+        self.reason: str | None = None
+        self.epoch = 0
+
+    def set_version(self, version: int, checkpoint: str) -> None:
+        """The reloader posted the version vLLM now serves."""
+        self.version, self.checkpoint = version, checkpoint
+        self.synced, self.managed, self.reason = True, True, None
+
+    def adopt(self, policy: dict, epoch: int) -> bool:
+        """Take the reloader's ``/policy`` answer ``{"version", "checkpoint", "synced"}``,
+        read while ``self.epoch`` was ``epoch``. A synced answer sets the version; an
+        unsynced one makes the proxy unsynced. Ignored (False) when the proxy became
+        unsynced meanwhile: the answer may predate the outage."""
+        if epoch != self.epoch:
+            return False
+        if policy.get("synced"):
+            self.set_version(int(policy["version"]), str(policy.get("checkpoint") or ""))
+        else:
+            self.unsync("reloader: vLLM not synced")
+        return True
+
+    def unsync(self, reason: str) -> None:
+        """The reloader said vLLM lost (or has not yet reloaded) the served version."""
+        if self.synced:
+            self.epoch += 1
+        self.synced, self.managed, self.reason = False, True, reason
+
+    def vllm_unreachable(self) -> bool:
+        """A transport error talking to vLLM; True when this made the proxy unsynced."""
+        if not self.managed:
+            return False
+        was = self.synced
+        self.unsync("vllm_unreachable")
+        return was
+
+    def wants_reloader(self) -> bool:
+        """Whether to ask the reloader's /policy: unsynced, or never heard from it."""
+        return not self.synced or not self.managed
+
+    def view(self) -> dict:
+        return {"version": self.version, "checkpoint": self.checkpoint, "synced": self.synced,
+                "managed": self.managed, "reason": self.reason}
+
+
 # ---------------------------------------------------------------- service
 class PolicyVersionIn(BaseModel):
     version: int
     checkpoint: str = ""
 
 
+class PolicyUnsyncedIn(BaseModel):
+    reason: str = "reloader"
+
+
+async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: PolicyState) -> bool:
+    """``GET {reloader}/policy`` and :meth:`PolicyState.adopt` it; False when unreachable."""
+    epoch = policy.epoch
+    try:
+        r = await client.get(f"{reloader_url}/policy")
+        r.raise_for_status()
+        answer = r.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        log.debug("reloader at %s: %s", reloader_url, exc)
+        return False
+    before = policy.view()
+    if policy.adopt(answer, epoch) and policy.view() != before:
+        log.info("policy version from the reloader: %s", policy.view())
+    return True
+
+
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
-               timeout_s: float = 600.0) -> FastAPI:
+               timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0) -> FastAPI:
+    """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
+    ``follow_s`` while the proxy is unsynced or has not heard from it (None: never)."""
     metrics: Counter[str] = Counter()
     seq = SequenceCounter()
-    state = {"version": policy_version, "checkpoint": ""}
+    policy = PolicyState(policy_version)
     topics: Topics = sink.topics
+
+    async def follow_reloader(client: httpx.AsyncClient) -> None:
+        while True:
+            await asyncio.sleep(follow_s)
+            if policy.wants_reloader():
+                await ask_reloader(client, reloader_url, policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,7 +256,18 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             await sink.start()
         except KafkaUnavailable as exc:
             log.warning("%s", exc)
+        follower = None
+        if reloader_url:
+            reloader_client = httpx.AsyncClient(timeout=8.0)  # the reloader checks vLLM (5 s) before answering
+            if not await ask_reloader(reloader_client, reloader_url, policy):
+                log.warning("reloader at %s unreachable; policy version %d until it answers", reloader_url,
+                            policy.version)
+            follower = asyncio.create_task(follow_reloader(reloader_client))
         yield
+        if follower is not None:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await reloader_client.aclose()
         await app.state.client.aclose()
         await sink.stop()
 
@@ -184,10 +294,16 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if body.get("model") != model_name:
             return error(404, "model_not_found", f"model {body.get('model')!r} is not served; use {model_name!r}")
         agent = request.headers.get("x-spanrl-agent")
+        if not policy.synced:
+            metrics["policy_unsynced"] += 1
+            return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
+                         "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
         start_ns = time.time_ns()
         try:
             upstream = await app.state.client.post(path, json=upstream_body(endpoint, body))
         except httpx.TransportError as exc:
+            if vllm_lost(exc) and policy.vllm_unreachable():
+                log.warning("vLLM unreachable (%r): policy version unsynced until the reloader posts one", exc)
             metrics["vllm_unavailable"] += 1
             return error(503, "vllm_unavailable", f"vLLM at {vllm_url} unreachable: {exc!r}",
                          {"Retry-After": RETRY_AFTER_S})
@@ -211,7 +327,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         }
         items: list[tuple] = []
         try:
-            span["llm"] = llm_call_from_response(endpoint, body, response, state["version"])
+            span["llm"] = llm_call_from_response(endpoint, body, response, policy.version)
             items.append((topics.spans, rollout_id, span))
         except MissingTokenIds as exc:
             metrics["dead_letter.missing_token_ids"] += 1
@@ -245,32 +361,43 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         try:
             upstream = await app.state.client.get("/v1/models")
         except httpx.TransportError as exc:
+            if vllm_lost(exc):
+                policy.vllm_unreachable()
             return error(503, "vllm_unavailable", repr(exc), {"Retry-After": RETRY_AFTER_S})
         return Response(upstream.content, upstream.status_code, media_type="application/json")
 
     @app.get("/admin/policy_version")
     async def get_version() -> dict:
-        return dict(state)
+        return policy.view()
 
     @app.post("/admin/policy_version")
     async def set_version(v: PolicyVersionIn) -> dict:
-        state.update(version=v.version, checkpoint=v.checkpoint)
+        policy.set_version(v.version, v.checkpoint)
         metrics["policy_version_updates"] += 1
         log.info("policy version -> %d (%s)", v.version, v.checkpoint)
-        return dict(state)
+        return policy.view()
+
+    @app.post("/admin/policy_unsynced")
+    async def set_unsynced(v: PolicyUnsyncedIn) -> dict:
+        policy.unsync(v.reason)
+        metrics["policy_unsynced_posts"] += 1
+        log.warning("policy version unsynced: %s", v.reason)
+        return policy.view()
 
     @app.get("/health")
     async def health() -> dict:
         try:
             vllm_ok = (await app.state.client.get("/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            if vllm_lost(exc):
+                policy.vllm_unreachable()
             vllm_ok = False
         return {"status": "ok", "vllm": vllm_ok, "kafka_producer_started": sink.started,
-                "policy_version": state["version"]}
+                "policy_version": policy.version, "policy_synced": policy.synced}
 
     @app.get("/metrics")
     async def get_metrics() -> dict:
-        return {**metrics, "policy_version": state["version"]}
+        return {**metrics, "policy_version": policy.version, "policy_synced": int(policy.synced)}
 
     return app
 
@@ -307,11 +434,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-name", default=s.model_name)
     p.add_argument("--kafka-bootstrap", default=s.kafka_bootstrap)
     p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
-    p.add_argument("--policy-version", type=int, default=int(os.environ.get("SPANRL_POLICY_VERSION", 0)))
+    p.add_argument("--policy-version", type=int, default=int(os.environ.get("SPANRL_POLICY_VERSION", 0)),
+                   help="label used until the reloader answers")
+    p.add_argument("--reloader-url", default=f"http://{s.host}:{s.reloader_port}",
+                   help="reloader asked for the served policy version ('' = never)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
-    app = create_app(Sink(a.kafka_bootstrap, topics), a.vllm_url, a.model_name, a.policy_version)
+    app = create_app(Sink(a.kafka_bootstrap, topics), a.vllm_url, a.model_name, a.policy_version,
+                     reloader_url=a.reloader_url.rstrip("/") or None)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

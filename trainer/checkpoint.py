@@ -1,17 +1,27 @@
-"""Checkpoint manifests (sha256 of every file) and their transfer to/from MinIO.
+"""Checkpoint manifests (sha256 of every file), the offset chain between them, the run's
+start marker, their transfer to/from MinIO, and retries with backoff.
 
 Layout in object storage: ``s3://BUCKET/RUN/VERSION:06d/`` holding the HF safetensors,
-config, tokenizer files and ``manifest.json``. The manifest is uploaded last, so a
-prefix without ``manifest.json`` is an unfinished upload and is ignored.
+config, tokenizer files and ``manifest.json``, plus ``s3://BUCKET/RUN/start.json`` (where
+the run began reading samples). The manifest is uploaded last, so a prefix without
+``manifest.json`` is an unfinished upload and is ignored.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
 import json
+import logging
 import shutil
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
+
+log = logging.getLogger("spanrl.checkpoint")
 
 MANIFEST = "manifest.json"
+START_MARKER = "start.json"
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -27,13 +37,21 @@ def sha256_file(path: Path) -> str:
 
 
 def write_manifest(ckpt_dir: Path, *, run: str, version: int, parent_version: int | None, base_model: str,
-                   step: int, trained_offsets: dict[str, int], metrics: dict[str, float]) -> dict:
-    """Hash every file of ``ckpt_dir`` (except the manifest) and write ``manifest.json``."""
+                   step: int, trained_offsets: dict[str, int], metrics: dict[str, float],
+                   consumed_offsets: dict[str, list[int]] | None = None) -> dict:
+    """Hash every file of ``ckpt_dir`` (except the manifest) and write ``manifest.json``.
+
+    ``trained_offsets``: ``{"TOPIC:P": next offset}`` the weights have trained up to;
+    ``consumed_offsets``: ``{"TOPIC:P": [from, to]}`` the half-open offset range this
+    version trained on since its parent (see :func:`consumed_ranges`).
+    """
     ckpt_dir = Path(ckpt_dir)
     files = {p.name: sha256_file(p) for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {
         "run": run, "version": version, "parent_version": parent_version, "base_model": base_model,
-        "step": step, "trained_offsets": dict(trained_offsets), "metrics": dict(metrics), "files": files,
+        "step": step, "trained_offsets": dict(trained_offsets),
+        "consumed_offsets": {k: list(v) for k, v in (consumed_offsets or {}).items()},
+        "metrics": dict(metrics), "files": files,
     }
     (ckpt_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
@@ -70,6 +88,201 @@ def manifest_sha256(ckpt_dir: Path) -> str:
     return sha256_file(Path(ckpt_dir) / MANIFEST)
 
 
+# ---- offset bookkeeping (pure) --------------------------------------------------------
+
+def consumed_ranges(before: dict[str, int], after: dict[str, int]) -> dict[str, list[int]]:
+    """``{"TOPIC:P": [from, to]}``: the half-open offset ranges between two
+    ``trained_offsets`` snapshots (``before`` = the parent's or the run's start offsets).
+
+    Every partition of ``after`` gets a range (``[x, x]`` when nothing was consumed).
+    Raises ValueError naming the partition when ``before`` lacks it or ``after`` is
+    behind ``before`` (offsets never move backwards within a run).
+    """
+    out = {}
+    for key in sorted(after):
+        if key not in before:
+            raise ValueError(f"{key}: no starting offset")
+        if after[key] < before[key]:
+            raise ValueError(f"{key}: offset went backwards {before[key]} -> {after[key]}")
+        out[key] = [before[key], after[key]]
+    return out
+
+
+def _range_problem(where: str, key: str, expected_from: int, got_from: int, what: str) -> str | None:
+    if got_from > expected_from:
+        return f"{where} {key}: gap, offsets [{expected_from}, {got_from}) after {what} never trained"
+    if got_from < expected_from:
+        return f"{where} {key}: overlap, offsets [{got_from}, {expected_from}) trained again after {what}"
+    return None
+
+
+def check_offset_chain(manifests: list[dict], start: dict[str, int] | None = None) -> list[str]:
+    """Problems in the lineage of one run's checkpoints; ``[]`` when the chain is sound.
+
+    ``manifests``: the manifests of consecutive versions of one run (any order; e.g.
+    versions 1..n). ``start``: the offsets of the run's start marker
+    (``start.json["offsets"]``), checked against the first version's ``from``.
+
+    Sound means: versions are consecutive, each names the previous one as
+    ``parent_version``; each ``consumed_offsets`` range ``[from, to]`` has
+    ``from <= to`` and ``to == trained_offsets`` of the same version; and the ranges tile
+    the samples partitions with no gap or overlap: each version's ``from`` equals its
+    parent's ``to`` (the first version's equals ``start``), per partition, and no
+    partition appears or disappears along the way. Every problem is one string naming
+    the version and partition.
+    """
+    problems: list[str] = []
+    chain = sorted(manifests, key=lambda m: m["version"])
+    prev = None
+    for m in chain:
+        v = f"v{m['version']}"
+        consumed = m.get("consumed_offsets")
+        trained = m.get("trained_offsets") or {}
+        if not consumed:
+            problems.append(f"{v}: no consumed_offsets")
+            consumed = {}
+        for key, (lo, hi) in sorted(consumed.items()):
+            if lo > hi:
+                problems.append(f"{v} {key}: range [{lo}, {hi}] runs backwards")
+            if trained.get(key) != hi:
+                problems.append(f"{v} {key}: consumed to {hi} but trained_offsets says {trained.get(key)}")
+        for key in sorted(set(trained) - set(consumed)):
+            problems.append(f"{v} {key}: in trained_offsets but not in consumed_offsets")
+        if prev is None:
+            for key in sorted(start or {}):
+                if key not in consumed:
+                    problems.append(f"{v} {key}: in the start marker but not consumed")
+                else:
+                    p = _range_problem(v, key, start[key], consumed[key][0], "the run's start")
+                    if p:
+                        problems.append(p)
+        else:
+            pv = f"v{prev['version']}"
+            if m["version"] == prev["version"]:
+                problems.append(f"{v}: duplicate version")
+            elif m["version"] != prev["version"] + 1:
+                lo, hi = prev["version"] + 1, m["version"] - 1
+                problems.append(f"{v}: follows {pv}, missing " + (f"v{lo}" if lo == hi else f"v{lo}..v{hi}"))
+            if m.get("parent_version") != prev["version"]:
+                problems.append(f"{v}: parent_version {m.get('parent_version')}, expected {prev['version']}")
+            prev_trained = prev.get("trained_offsets") or {}
+            for key in sorted(set(prev_trained) | set(consumed)):
+                if key not in consumed:
+                    problems.append(f"{v} {key}: missing (parent {pv} trained it to {prev_trained[key]})")
+                elif key not in prev_trained:
+                    problems.append(f"{v} {key}: new partition starting at {consumed[key][0]}, "
+                                    f"parent {pv} has no offset for it")
+                else:
+                    p = _range_problem(v, key, prev_trained[key], consumed[key][0], pv)
+                    if p:
+                        problems.append(p)
+        prev = m
+    return problems
+
+
+def start_positions(keys: list[str], trained_offsets: dict[str, int],
+                    marker_offsets: dict[str, int] | None) -> dict[str, int | str]:
+    """Where the trainer starts reading each samples partition ``"TOPIC:P"``.
+
+    - the checkpoint's ``trained_offsets`` when it has the partition;
+    - else the run's start marker (``start.json``), written before the run first consumed;
+    - else, when a marker exists, ``"earliest"``: the partition did not exist when the
+      run began, so every record in it is newer than the run's start;
+    - else ``"configured"``: a new run; ``TrainerConfig.start`` decides (earliest |
+      latest) and the resolved offsets must be written to the marker before consuming.
+    """
+    out: dict[str, int | str] = {}
+    for key in keys:
+        if key in trained_offsets:
+            out[key] = int(trained_offsets[key])
+        elif marker_offsets is not None and key in marker_offsets:
+            out[key] = int(marker_offsets[key])
+        elif marker_offsets is not None:
+            out[key] = "earliest"
+        else:
+            out[key] = "configured"
+    return out
+
+
+# ---- retries (pure schedule + async helper) -------------------------------------------
+
+class Stopped(RuntimeError):
+    """The service was asked to stop while an operation was being retried."""
+
+
+def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 30.0, factor: float = 2.0) -> float:
+    """Seconds to wait before retry number ``attempt + 1``: ``base_s * factor**attempt``,
+    at most ``cap_s`` (attempt 0 -> 0.5, 1 -> 1, 2 -> 2, ... 6+ -> 30 with the defaults).
+    Raises ValueError for a negative attempt."""
+    if attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {attempt}")
+    return min(cap_s, base_s * factor ** min(attempt, 64))
+
+
+_S3_PERMANENT = {"NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                 "InvalidBucketName", "InvalidObjectName"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` is an outage worth retrying: MinIO unreachable or answering 5xx,
+    Kafka unreachable/timing out, an HTTP transport error, a network ``OSError``.
+    False for :class:`CheckpointError` (bad or incomplete checkpoint: refuse, never
+    retry), S3 client errors (missing object, denied), local file errors and anything
+    else (bugs surface)."""
+    import httpx
+    import urllib3.exceptions
+    from aiokafka.errors import KafkaError
+    from minio.error import S3Error, ServerError
+
+    if isinstance(exc, CheckpointError):
+        return False
+    if isinstance(exc, S3Error):
+        status = getattr(exc.response, "status", 0) or 0
+        return exc.code not in _S3_PERMANENT and (status >= 500 or exc.code in {"SlowDown", "RequestTimeout"})
+    if isinstance(exc, (ServerError, urllib3.exceptions.HTTPError, KafkaError, httpx.TransportError,
+                        asyncio.TimeoutError, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        return False
+    return isinstance(exc, OSError)
+
+
+async def retry(fn: Callable[[], Awaitable[T]], *, what: str, stop: asyncio.Event | None = None,
+                on_retry: Callable[[int, float, BaseException], None] | None = None,
+                transient: Callable[[BaseException], bool] = is_transient,
+                base_s: float = 0.5, cap_s: float = 30.0) -> T:
+    """Await ``fn()`` until it succeeds, retrying transient failures after
+    :func:`backoff_s` seconds (each retry logged as a warning and passed to
+    ``on_retry(attempt, delay_s, exc)``, attempt from 1).
+
+    Raises the first non-transient exception unchanged, or :class:`Stopped` when ``stop``
+    is set (checked before each wait and during it).
+    """
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            delay = backoff_s(attempt, base_s, cap_s)
+            attempt += 1
+            log.warning("%s failed (attempt %d): %s: %s; retrying in %.1fs", what, attempt,
+                        type(exc).__name__, exc, delay)
+            if on_retry is not None:
+                on_retry(attempt, delay, exc)
+            if stop is None:
+                await asyncio.sleep(delay)
+                continue
+            if stop.is_set():
+                raise Stopped(f"{what}: stopped after {attempt} failed attempts") from exc
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                continue
+            raise Stopped(f"{what}: stopped after {attempt} failed attempts") from exc
+
+
 # ---- object storage (plumbing) ------------------------------------------------------
 
 def make_client(settings):
@@ -95,14 +308,71 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 
 def upload_checkpoint(client, ckpt_dir: Path, uri: str) -> None:
-    """Upload every file of ``ckpt_dir`` under ``uri``; ``manifest.json`` goes last."""
+    """Upload every file of ``ckpt_dir`` under ``uri``; ``manifest.json`` goes last.
+
+    Idempotent, so a failed upload can simply be called again: files are overwritten.
+    If ``uri`` already holds a manifest (a published checkpoint), nothing is uploaded
+    when it is byte-identical to ours (an earlier attempt finished; its reply was lost)
+    and :class:`CheckpointError` is raised when it differs (never overwrite a published
+    version).
+    """
     bucket, prefix = parse_uri(uri)
     if not client.bucket_exists(bucket):
         client.make_bucket(bucket)
     ckpt_dir = Path(ckpt_dir)
+    published = _read_object(client, bucket, prefix + MANIFEST)
+    if published is not None:
+        if published == (ckpt_dir / MANIFEST).read_bytes():
+            return
+        raise CheckpointError(f"{uri} already holds a different published manifest; refusing to overwrite it")
     names = sorted(p.name for p in ckpt_dir.iterdir() if p.is_file() and p.name != MANIFEST)
     for name in names + [MANIFEST]:
         client.fput_object(bucket, prefix + name, str(ckpt_dir / name))
+
+
+def _read_object(client, bucket: str, name: str) -> bytes | None:
+    """The object's bytes, or None when it (or the bucket) does not exist."""
+    from minio.error import S3Error
+
+    try:
+        resp = client.get_object(bucket, name)
+    except S3Error as exc:
+        if exc.code in {"NoSuchKey", "NoSuchBucket"}:
+            return None
+        raise
+    try:
+        return resp.read()
+    finally:
+        resp.close()
+        resp.release_conn()
+
+
+def start_marker_name(run: str) -> str:
+    return f"{run}/{START_MARKER}"
+
+
+def read_start_marker(client, bucket: str, run: str) -> dict | None:
+    """The run's start marker ``{"run", "offsets": {"TOPIC:P": offset}, "start",
+    "created_ms"}``, or None when the run has none. Raises CheckpointError when it is
+    unreadable (never guess a start: that could skip samples)."""
+    raw = _read_object(client, bucket, start_marker_name(run))
+    if raw is None:
+        return None
+    try:
+        marker = json.loads(raw)
+        offsets = {str(k): int(v) for k, v in marker["offsets"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"s3://{bucket}/{start_marker_name(run)}: unreadable start marker: {exc}") from exc
+    return {**marker, "offsets": offsets}
+
+
+def write_start_marker(client, bucket: str, run: str, marker: dict) -> None:
+    """Store the run's start marker (one PUT: the object is there whole or not at all)."""
+    if not client.bucket_exists(bucket):
+        client.make_bucket(bucket)
+    data = json.dumps(marker, indent=2, sort_keys=True).encode()
+    client.put_object(bucket, start_marker_name(run), io.BytesIO(data), len(data),
+                      content_type="application/json")
 
 
 def download_checkpoint(client, uri: str, dest: Path) -> dict:

@@ -13,7 +13,21 @@ For each CheckpointAnnouncement of its run (newer than what vLLM serves):
    missing path kills the engine, hence the verification first.
 3. ``POST {proxy}/admin/policy_version {"version", "checkpoint"}`` (connection errors warn).
 
-Run: ``python -m trainer.reloader --run NAME``; ``/health`` and ``/status`` on reloader_port.
+Crash safety
+- Downloads that fail because MinIO is unreachable (or answers 5xx) are retried with
+  backoff (``checkpoint.retry``) until they succeed; a checkpoint that does not verify
+  is refused at once and never loaded.
+- The reloader keeps a *target* (the newest verified checkpoint; version 0 = the base
+  model) and polls vLLM's ``/health`` every ``watch_interval_s``. When vLLM becomes
+  unreachable it tells the proxy ``POST /admin/policy_unsynced`` (a restarted vLLM serves
+  the base weights, so the proxy's version label would be false); when vLLM is back, it
+  reloads the target and posts its version to the proxy again (version 0 too). A failed
+  reload is retried the same way, with backoff, and leaves the proxy unsynced.
+- ``GET /policy`` answers ``{"version", "checkpoint", "synced"}`` after checking vLLM's
+  health now: what the proxy adopts at start-up or after a vLLM transport error.
+
+Run: ``python -m trainer.reloader --run NAME``; ``/health``, ``/status`` and ``/policy``
+on reloader_port.
 """
 from __future__ import annotations
 
@@ -21,6 +35,7 @@ import argparse
 import asyncio
 import logging
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -52,7 +67,26 @@ class ReloaderConfig(BaseSettings):
     proxy_url: str | None = None  # default: settings.proxy_url
     reload_timeout_s: float = 600.0
     max_announcements: int | None = None  # stop after handling this many (tests)
+    watch_interval_s: float = 1.0  # poll vLLM /health this often; 0 = do not watch
     http: bool = True
+
+
+def vllm_watch_action(up: bool, synced: bool, now: float, next_apply_at: float) -> str:
+    """What the reloader does after one vLLM health poll.
+
+    ``up``: vLLM answered /health; ``synced``: vLLM is known to serve the target since the
+    last successful reload (no outage seen since); ``next_apply_at``: earliest time
+    (same clock as ``now``) for the next reload attempt after a failed one.
+    Returns "lost" (was synced, now unreachable: tell the proxy its label is no longer
+    true), "down" (still unreachable), "apply" (reachable but not synced: reload the
+    target and post its version), "backoff" (same, but the last attempt failed recently)
+    or "ok".
+    """
+    if not up:
+        return "lost" if synced else "down"
+    if synced:
+        return "ok"
+    return "apply" if now >= next_apply_at else "backoff"
 
 
 class Reloader:
@@ -63,55 +97,156 @@ class Reloader:
         self.vllm_url = (cfg.vllm_url or self.settings.vllm_url).rstrip("/")
         self.proxy_url = (cfg.proxy_url or self.settings.proxy_url).rstrip("/")
         self.minio = checkpoint.make_client(self.settings)
-        self.served_version = 0
+        self.served_version = 0  # what vLLM got from the last successful reload
         self.served_dir: str | None = None
+        self.served_uri = ""
+        # the newest verified checkpoint vLLM should serve (version 0: the base model)
+        self.target = {"version": 0, "dir": str(self.settings.model_dir), "uri": ""}
+        self.vllm_synced = False  # vLLM serves `target` and no outage was seen since
         self.history: list[dict] = []
         self.handled = 0
+        self._lock = asyncio.Lock()  # one vLLM reload / proxy notification sequence at a time
+        self._stop = asyncio.Event()
+        self._apply_failures = 0
+        self._next_apply_at = 0.0
 
     def status(self) -> dict:
         return {"run": self.run, "served_version": self.served_version, "served_dir": self.served_dir,
+                "target_version": self.target["version"], "vllm_synced": self.vllm_synced,
                 "history": self.history[-50:]}
 
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def policy(self) -> dict:
+        """``{"version", "checkpoint", "synced"}``: what vLLM serves; ``synced`` only when a
+        reload is not under way, the last one succeeded and vLLM answers /health now."""
+        synced = (not self._lock.locked() and self.vllm_synced and self.served_version == self.target["version"]
+                  and await vllm_healthy(self.vllm_url))
+        return {"version": self.served_version, "checkpoint": self.served_uri, "synced": synced}
+
     # one announcement -----------------------------------------------------------------
+    def _download_verified(self, ann: dict, dest: Path) -> None:
+        """Download + verify (raises CheckpointError on any mismatch, MinIO errors as is)."""
+        version = int(ann["version"])
+        manifest = checkpoint.download_checkpoint(self.minio, ann["uri"], dest)
+        actual = checkpoint.manifest_sha256(dest)
+        if actual != ann["manifest_sha256"]:
+            raise checkpoint.CheckpointError(f"manifest sha256 {actual} != announced {ann['manifest_sha256']}")
+        if manifest["version"] != version or manifest["run"] != self.run:
+            raise checkpoint.CheckpointError(
+                f"manifest is {manifest['run']}/{manifest['version']}, announced {self.run}/{version}")
+        if not (dest / "config.json").is_file() or not any(dest.glob("*.safetensors")):
+            raise checkpoint.CheckpointError(f"{dest}: no config.json or *.safetensors")
+
+    async def fetch(self, ann: dict, entry: dict | None = None) -> Path:
+        """The verified local directory of announcement ``ann``. MinIO outages are retried
+        with backoff until MinIO answers (or :meth:`stop`: :class:`checkpoint.Stopped`);
+        a checkpoint that does not verify raises CheckpointError at once (its partial
+        directory removed: never leave an unverified dir vLLM could load)."""
+        dest = self.settings.cache_dir / "checkpoints" / self.run / f"{int(ann['version']):06d}"
+
+        def on_retry(attempt: int, delay: float, exc: BaseException) -> None:
+            if entry is not None:
+                entry["retries"] = attempt
+                entry["error"] = f"retrying: {type(exc).__name__}: {exc}"[:500]
+
+        try:
+            await checkpoint.retry(lambda: asyncio.to_thread(self._download_verified, ann, dest),
+                                   what=f"download {ann['uri']}", stop=self._stop, on_retry=on_retry)
+        except Exception:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        return dest
+
     async def handle(self, ann: dict) -> bool:
         """Verify and load one announcement; True when vLLM now serves it."""
         version, uri = int(ann["version"]), ann["uri"]
         entry = {"version": version, "uri": uri, "verified": False, "reloaded": False, "reload_s": None,
                  "error": None, "at_ms": int(time.time() * 1000)}
         self.history.append(entry)
-        dest = self.settings.cache_dir / "checkpoints" / self.run / f"{version:06d}"
         try:
-            manifest = await asyncio.to_thread(checkpoint.download_checkpoint, self.minio, uri, dest)
-            actual = checkpoint.manifest_sha256(dest)
-            if actual != ann["manifest_sha256"]:
-                raise checkpoint.CheckpointError(
-                    f"manifest sha256 {actual} != announced {ann['manifest_sha256']}")
-            if manifest["version"] != version or manifest["run"] != self.run:
-                raise checkpoint.CheckpointError(
-                    f"manifest is {manifest['run']}/{manifest['version']}, announced {self.run}/{version}")
-            if not (dest / "config.json").is_file() or not any(dest.glob("*.safetensors")):
-                raise checkpoint.CheckpointError(f"{dest}: no config.json or *.safetensors")
+            dest = await self.fetch(ann, entry)
+        except checkpoint.Stopped:
+            raise
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, checkpoint.CheckpointError):
-                shutil.rmtree(dest, ignore_errors=True)  # never leave an unverified dir vLLM could load
             log.error("refusing checkpoint %s v%d: %s; vLLM keeps serving v%d", uri, version, exc,
                       self.served_version)
             return False
-        entry["verified"] = True
+        entry["verified"], entry["error"] = True, None
+        return await self.load(version, dest, uri, entry)
+
+    async def load(self, version: int, ckpt_dir: Path, uri: str, entry: dict | None = None) -> bool:
+        """Make the verified checkpoint dir ``ckpt_dir`` the target, reload it into vLLM and
+        post its version to the proxy; True when vLLM now serves it (else the watch
+        retries). ``entry``: the history record to fill in."""
+        if entry is None:
+            entry = {"version": version, "uri": uri, "verified": True, "reloaded": False, "reload_s": None,
+                     "error": None, "at_ms": int(time.time() * 1000)}
+            self.history.append(entry)
+        async with self._lock:
+            self.target = {"version": version, "dir": str(ckpt_dir), "uri": uri}
+            self._apply_failures, self._next_apply_at = 0, 0.0
+            return await self._apply(entry)
+
+    async def _apply(self, entry: dict) -> bool:
+        """Reload ``self.target`` into vLLM and post its version to the proxy (caller holds
+        the lock). On failure: unsynced, proxy told so, next attempt after a backoff."""
+        t = dict(self.target)
         t0 = time.perf_counter()
         try:
-            await reload_vllm(self.vllm_url, dest, pause_mode=self.cfg.pause_mode, timeout_s=self.cfg.reload_timeout_s)
+            await reload_vllm(self.vllm_url, t["dir"], pause_mode=self.cfg.pause_mode,
+                              timeout_s=self.cfg.reload_timeout_s)
         except Exception as exc:
             entry["error"] = f"reload failed: {type(exc).__name__}: {exc}"
-            log.error("vLLM reload of v%d failed: %s", version, exc)
+            self._next_apply_at = time.monotonic() + checkpoint.backoff_s(self._apply_failures)
+            self._apply_failures += 1
+            log.error("vLLM reload of v%d failed (attempt %d): %s", t["version"], self._apply_failures, exc)
+            if self.vllm_synced or self._apply_failures == 1:
+                await notify_proxy_unsynced(self.proxy_url, f"reload of v{t['version']} failed")
+            self.vllm_synced = False
             return False
         entry["reload_s"] = round(time.perf_counter() - t0, 3)
-        entry["reloaded"] = True
-        self.served_version, self.served_dir = version, str(dest)
-        log.info("vLLM now serves %s v%d (reload %.2fs)", self.run, version, entry["reload_s"])
-        await notify_proxy(self.proxy_url, version, uri)
+        entry["reloaded"], entry["error"] = True, None
+        self.served_version, self.served_dir, self.served_uri = t["version"], t["dir"], t["uri"]
+        self.vllm_synced = True
+        self._apply_failures, self._next_apply_at = 0, 0.0
+        log.info("vLLM now serves %s v%d (reload %.2fs)", self.run, t["version"], entry["reload_s"])
+        await notify_proxy(self.proxy_url, t["version"], t["uri"])
         return True
+
+    # vLLM watch -----------------------------------------------------------------------
+    async def watch_once(self) -> str:
+        """One health poll of vLLM and what follows from it (:func:`vllm_watch_action`)."""
+        async with self._lock:
+            up = await vllm_healthy(self.vllm_url)
+            action = vllm_watch_action(up, self.vllm_synced, time.monotonic(), self._next_apply_at)
+            if action == "lost":
+                self.vllm_synced = False
+                log.warning("vLLM at %s unreachable; v%d must be reloaded when it is back", self.vllm_url,
+                            self.target["version"])
+                self.history.append({"version": self.target["version"], "event": "vllm_lost",
+                                     "at_ms": int(time.time() * 1000)})
+                await notify_proxy_unsynced(self.proxy_url, "vllm_unreachable")
+            elif action == "apply":
+                entry = {"version": self.target["version"], "uri": self.target["uri"], "event": "reapply",
+                         "verified": True, "reloaded": False, "reload_s": None, "error": None,
+                         "at_ms": int(time.time() * 1000)}
+                self.history.append(entry)
+                await self._apply(entry)
+            return action
+
+    async def watch_vllm(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.watch_once()
+            except Exception:  # never let the watch die
+                log.exception("vLLM watch failed")
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.cfg.watch_interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -119,10 +254,12 @@ class Reloader:
 
         from schemas.codec import SchemaError, decode
 
-        http = await start_http(self.settings.host, self.settings.reloader_port, self.status) if self.cfg.http else None
+        http = await start_http(self.settings.host, self.settings.reloader_port, self.status,
+                                {"/policy": self.policy}) if self.cfg.http else None
         consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
                                     isolation_level="read_committed", enable_auto_commit=False, group_id=None)
         await consumer.start()
+        watch: asyncio.Task | None = None
         try:
             parts = await _partitions(consumer, self.cfg.checkpoints_topic, wait_s=60)
             if not parts:
@@ -136,7 +273,7 @@ class Reloader:
             end = await consumer.end_offsets(tps)
             backlog: list[dict] = []  # 'latest': collect up to the end offsets, keep the newest
             catching_up = self.cfg.start == "latest"
-            while True:
+            while not self._stop.is_set():
                 batch = await consumer.getmany(timeout_ms=500)
                 todo: list[dict] = []
                 for msgs in batch.values():
@@ -154,13 +291,22 @@ class Reloader:
                     if backlog:
                         todo.insert(0, max(backlog, key=lambda a: a["version"]))
                 for ann in todo:
-                    if ann["version"] < self.cfg.from_version or ann["version"] <= self.served_version:
+                    if ann["version"] < self.cfg.from_version or ann["version"] <= self.target["version"]:
                         continue
                     await self.handle(ann)
                     self.handled += 1
                     if self.cfg.max_announcements and self.handled >= self.cfg.max_announcements:
                         return
+                if watch is None and not catching_up and self.cfg.watch_interval_s > 0:
+                    # after the backlog: from now on keep vLLM on the target (the base
+                    # model = version 0 when nothing was loaded) and the proxy told
+                    watch = asyncio.create_task(self.watch_vllm())
+        except checkpoint.Stopped as exc:
+            log.warning("stopped: %s", exc)
         finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
             await consumer.stop()
             if http is not None:
                 await http.cleanup()
@@ -185,6 +331,27 @@ async def reload_vllm(vllm_url: str, weights_dir: Path, pause_mode: str = "wait"
             r2.raise_for_status()
 
 
+async def vllm_healthy(vllm_url: str, timeout_s: float = 5.0) -> bool:
+    """True when vLLM answers ``GET /health`` with 200 within ``timeout_s``."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return (await client.get(f"{vllm_url}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
+    """``POST {proxy}/admin/policy_unsynced {"reason"}``: the proxy answers 503
+    policy_unsynced until a version is posted again (unreachable proxy = warning)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            r = await client.post(f"{proxy_url}/admin/policy_unsynced", json={"reason": reason})
+            if r.status_code >= 400:
+                log.warning("proxy refused policy_unsynced: %s %s", r.status_code, r.text[:200])
+    except httpx.HTTPError as exc:
+        log.warning("could not tell the proxy its policy version is unsynced: %s", exc)
+
+
 async def notify_proxy(proxy_url: str, version: int, uri: str) -> None:
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
@@ -204,7 +371,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: v for k, v in {"run": args.run, "start": args.start,
                                    "from_version": args.from_version}.items() if v is not None}
-    asyncio.run(Reloader(ReloaderConfig(**overrides)).serve())
+    reloader = Reloader(ReloaderConfig(**overrides))
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, reloader.stop)
+        await reloader.serve()
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":

@@ -7,9 +7,20 @@ Promises
 - Every update is one optimizer step over all buffered samples (micro-batched with
   gradient accumulation; the loss is the token mean over the whole update).
 - Each checkpoint manifest records ``trained_offsets`` = next offset per samples
-  partition; on start the trainer loads the latest checkpoint of its run and seeks
-  there, so no sample is trained twice or skipped (Adam moments restart at zero on
-  resume: only HF weights are checkpointed).
+  partition and ``consumed_offsets`` = the ``[from, to)`` ranges trained since the
+  parent (``checkpoint.check_offset_chain`` proves a run's ranges tile); on start the
+  trainer loads the latest checkpoint of its run and seeks there, so no sample is
+  trained twice or skipped (Adam moments restart at zero on resume: only HF weights are
+  checkpointed).
+- A run without a checkpoint starts at its start marker ``s3://BUCKET/RUN/start.json``,
+  written (offsets resolved from ``start``) before its first sample is consumed, so a
+  crash before the first checkpoint does not move the start.
+- MinIO/Kafka outages are retried with backoff (``checkpoint.retry``; each retry is a
+  ``retry`` log line); while a checkpoint is unpublished the trainer consumes nothing
+  further. Version, ``trained_offsets`` and manifest are fixed before the upload and
+  reused by every retry; the manifest goes last and the version counts as published
+  only once it is announced, so a SIGKILL at any point resumes from the last complete
+  checkpoint.
 """
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -251,6 +263,8 @@ class TrainerState:
     trained_offsets: dict = field(default_factory=dict)
     last_metrics: dict = field(default_factory=dict)
     last_checkpoint: str | None = None
+    pending_checkpoint: str | None = None  # saved, upload/announce not finished yet
+    retries: int = 0  # retried MinIO/Kafka operations since start
 
 
 async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]:
@@ -306,6 +320,9 @@ class Trainer:
         self.engine = None
         self.model_dir = self.base_dir  # where the current weights were loaded from (tokenizer files too)
         self._stop = asyncio.Event()
+        # trained_offsets of the parent checkpoint (or the run's start): where the next
+        # checkpoint's consumed_offsets ranges begin
+        self._consumed_from: dict[str, int] = {}
 
     def emit(self, record: dict) -> None:
         line = json.dumps(record, sort_keys=True)
@@ -313,6 +330,16 @@ class Trainer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as f:
             f.write(line + "\n")
+
+    async def _retry(self, what: str, fn):
+        """``checkpoint.retry`` with this trainer's stop event; each retry is logged as a
+        ``retry`` event."""
+        def on_retry(attempt: int, delay: float, exc: BaseException) -> None:
+            self.state.retries += 1
+            self.emit({"event": "retry", "run": self.run, "what": what, "attempt": attempt,
+                       "delay_s": round(delay, 3), "error": f"{type(exc).__name__}: {exc}"[:500]})
+
+        return await checkpoint.retry(fn, what=what, stop=self._stop, on_retry=on_retry)
 
     # resume ---------------------------------------------------------------------------
     async def resume(self) -> dict | None:
@@ -369,101 +396,169 @@ class Trainer:
             "created_ms": int(time.time() * 1000),
             "metrics": {k: float(v) for k, v in manifest["metrics"].items() if isinstance(v, (int, float))},
         }
-        producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True)
-        await producer.start()
+        producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True,
+                                    request_timeout_ms=30000)
         try:
-            await producer.send_and_wait(self.cfg.checkpoints_topic, encode("checkpoint", record),
-                                         key=self.run.encode())
+            await producer.start()
+            await asyncio.wait_for(producer.send_and_wait(self.cfg.checkpoints_topic, encode("checkpoint", record),
+                                                          key=self.run.encode()), 60)
         finally:
             await producer.stop()
 
     async def publish(self) -> None:
-        """Save, upload (manifest last) and announce version ``state.version + 1``."""
+        """Save, upload (manifest last) and announce version ``state.version + 1``.
+
+        Upload and announcement are retried until they succeed (or the trainer is
+        stopped: :class:`checkpoint.Stopped`); the saved directory and its manifest are
+        fixed first, so every retry publishes the same bytes. ``state.version`` moves
+        only once the announcement is acknowledged."""
         parent = self.state.version
         version = parent + 1
         out = self.settings.cache_dir / "trainer" / self.run / f"{version:06d}"
         uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, self.run, version)
         t0 = time.perf_counter()
         metrics = {k: v for k, v in self.state.last_metrics.items() if isinstance(v, (int, float))}
+        trained = dict(self.state.trained_offsets)
+        consumed = checkpoint.consumed_ranges(self._consumed_from, trained)
         manifest = await asyncio.to_thread(
             save_checkpoint, self.engine.module, self.model_dir, out, run=self.run, version=version,
             parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
-            trained_offsets=self.state.trained_offsets, metrics=metrics)
-        await asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri)
-        await self.announce(uri, manifest, out)
+            trained_offsets=trained, consumed_offsets=consumed, metrics=metrics)
+        self.state.pending_checkpoint = uri
+        await self._retry(f"upload {uri}",
+                          lambda: asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri))
+        await self._retry(f"announce {self.run} v{version}", lambda: self.announce(uri, manifest, out))
         self.state.version = version
         self.state.last_checkpoint = uri
+        self.state.pending_checkpoint = None
+        self._consumed_from = trained
         self.emit({"event": "checkpoint", "run": self.run, "version": version, "uri": uri,
-                   "step": self.state.step, "trained_offsets": self.state.trained_offsets,
+                   "step": self.state.step, "trained_offsets": trained, "consumed_offsets": consumed,
                    "seconds": round(time.perf_counter() - t0, 3)})
+
+    async def seek_start(self, consumer, tps: dict) -> dict[str, str]:
+        """Assign every samples partition (``tps``: partition -> TopicPartition) and seek it
+        to where this run continues (``checkpoint.start_positions``); a position not taken
+        from the checkpoint or the start marker is resolved from ``cfg.start`` (log start
+        or end offsets) and written to the marker before the partitions are assigned, so
+        nothing is consumed before the marker is durable. Sets ``state.trained_offsets``
+        for every partition; returns ``{"TOPIC:P": source}`` (checkpoint | marker |
+        earliest | latest)."""
+        keys = {p: f"{self.cfg.samples_topic}:{p}" for p in tps}
+        bucket = self.settings.checkpoint_bucket
+        marker = None
+        if any(k not in self.state.trained_offsets for k in keys.values()):
+            marker = await self._retry("read start marker", lambda: asyncio.to_thread(
+                checkpoint.read_start_marker, self.minio, bucket, self.run))
+        marker_offsets = marker["offsets"] if marker else None
+        plan = checkpoint.start_positions(list(keys.values()), self.state.trained_offsets, marker_offsets)
+        sources = {}
+        for key, where in plan.items():
+            if isinstance(where, int):
+                sources[key] = "checkpoint" if key in self.state.trained_offsets else "marker"
+            elif where == "earliest" or self.cfg.start != "latest":
+                sources[key] = "earliest"
+            else:
+                sources[key] = "latest"
+        # explicit ListOffsets queries (read_committed: the end is the last stable offset)
+        ends = await consumer.end_offsets([tp for p, tp in tps.items() if sources[keys[p]] == "latest"])
+        begins = await consumer.beginning_offsets([tp for p, tp in tps.items() if sources[keys[p]] == "earliest"])
+        positions = {keys[p]: plan[keys[p]] if isinstance(plan[keys[p]], int) else {**ends, **begins}[tp]
+                     for p, tp in tps.items()}
+        resolved = {k: v for k, v in positions.items() if sources[k] in ("earliest", "latest")}
+        if resolved:
+            new_marker = {"run": self.run, "start": self.cfg.start, "created_ms": int(time.time() * 1000),
+                          **(marker or {}), "offsets": {**(marker_offsets or {}), **resolved}}
+            await self._retry("write start marker", lambda: asyncio.to_thread(
+                checkpoint.write_start_marker, self.minio, bucket, self.run, new_marker))
+            self.emit({"event": "start_marker", "run": self.run, "offsets": new_marker["offsets"],
+                       "uri": f"s3://{bucket}/{checkpoint.start_marker_name(self.run)}"})
+        consumer.assign(list(tps.values()))
+        for p, tp in tps.items():  # no await in between: the fetcher sees only explicit positions
+            consumer.seek(tp, positions[keys[p]])
+        self.state.trained_offsets.update(positions)
+        self._consumed_from = dict(self.state.trained_offsets)
+        return sources
+
+    async def open_consumer(self):
+        """A started read_committed consumer and the samples partitions (not assigned yet:
+        :meth:`seek_start` does that); raises RuntimeError when the topic does not exist,
+        Kafka errors when Kafka is down."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
+                                    isolation_level="read_committed", enable_auto_commit=False,
+                                    group_id=None, max_partition_fetch_bytes=8 * 1024 * 1024,
+                                    # an offset outside the log (retention) restarts at the oldest
+                                    # record kept, never at the end (that would skip samples)
+                                    auto_offset_reset="earliest")
+        try:
+            await consumer.start()
+            parts = await _partitions(consumer, self.cfg.samples_topic, wait_s=60)
+            if not parts:
+                raise RuntimeError(f"topic {self.cfg.samples_topic!r} does not exist")
+            tps = {p: TopicPartition(self.cfg.samples_topic, p) for p in parts}
+        except BaseException:
+            await consumer.stop()
+            raise
+        return consumer, tps
 
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
+        """Run until ``max_updates`` or :meth:`stop` (a stop during a retry ends it too)."""
+        torch.manual_seed(self.cfg.seed)
+        http = await start_http(self.settings.host, self.settings.trainer_port, self.status) if self.cfg.http else None
+        try:
+            await self._serve()
+        except checkpoint.Stopped as exc:
+            log.warning("stopped: %s", exc)
+        finally:
+            if http is not None:
+                await http.cleanup()
+
+    async def _serve(self) -> None:
         from transformers import AutoTokenizer
 
         from schemas.codec import SchemaError, decode
 
-        torch.manual_seed(self.cfg.seed)
-        http = await start_http(self.settings.host, self.settings.trainer_port, self.status) if self.cfg.http else None
+        await self._retry("resume", self.resume)
+        model = await asyncio.to_thread(load_model, self.model_dir)
+        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        self.engine = await asyncio.to_thread(build_engine, model, lr=self.cfg.lr,
+                                              weight_decay=self.cfg.weight_decay,
+                                              micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
+        consumer, tps = await self._retry("open samples consumer", self.open_consumer)
         try:
-            await self.resume()
-            model = await asyncio.to_thread(load_model, self.model_dir)
-            tok = AutoTokenizer.from_pretrained(str(self.model_dir))
-            pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-            self.engine = await asyncio.to_thread(build_engine, model, lr=self.cfg.lr,
-                                                  weight_decay=self.cfg.weight_decay,
-                                                  micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
-                                        isolation_level="read_committed", enable_auto_commit=False,
-                                        group_id=None, max_partition_fetch_bytes=8 * 1024 * 1024)
-            await consumer.start()
-            try:
-                parts = await _partitions(consumer, self.cfg.samples_topic, wait_s=60)
-                if not parts:
-                    raise RuntimeError(f"topic {self.cfg.samples_topic!r} does not exist")
-                tps = {p: TopicPartition(self.cfg.samples_topic, p) for p in parts}
-                consumer.assign(list(tps.values()))
-                for p, tp in tps.items():
-                    key = f"{self.cfg.samples_topic}:{p}"
-                    if key in self.state.trained_offsets:
-                        consumer.seek(tp, self.state.trained_offsets[key])
-                    elif self.cfg.start == "latest":
-                        await consumer.seek_to_end(tp)
-                        self.state.trained_offsets[key] = await consumer.position(tp)
-                    else:
-                        await consumer.seek_to_beginning(tp)
-                        self.state.trained_offsets[key] = await consumer.position(tp)
-                self.emit({"event": "start", "run": self.run, "version": self.state.version,
-                           "offsets": self.state.trained_offsets, "model_dir": str(self.model_dir)})
-                buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
-                last_arrival = time.monotonic()
-                while not self._stop.is_set():
-                    batch = await consumer.getmany(timeout_ms=500, max_records=1000)
-                    for tp, msgs in batch.items():
-                        for m in msgs:
-                            last_arrival = time.monotonic()
-                            try:
-                                s = decode("sample", m.value)
-                                batching.check_sample(s, self.cfg.max_tokens)
-                            except (SchemaError, batching.BadSample) as exc:
-                                reason = getattr(exc, "reason", "schema_error")
-                                self.state.skipped[reason] = self.state.skipped.get(reason, 0) + 1
-                                log.warning("skipping sample at %s:%d:%d: %s", tp.topic, tp.partition, m.offset, exc)
-                                s = None
-                            buffer.append((tp.partition, m.offset, s))
-                    good = sum(1 for _, _, s in buffer if s is not None)
-                    self.state.buffered = good
-                    idle = time.monotonic() - last_arrival >= self.cfg.idle_flush_s
-                    if good >= self.cfg.min_batch or (good > 0 and idle):
-                        buffer = await self._update(buffer, pad_id)
-                        if self.cfg.max_updates and self.state.updates >= self.cfg.max_updates:
-                            break
-            finally:
-                await consumer.stop()
+            sources = await self._retry("seek samples", lambda: self.seek_start(consumer, tps))
+            self.emit({"event": "start", "run": self.run, "version": self.state.version,
+                       "offsets": dict(self.state.trained_offsets), "from": sources,
+                       "model_dir": str(self.model_dir)})
+            buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
+            last_arrival = time.monotonic()
+            while not self._stop.is_set():
+                batch = await consumer.getmany(timeout_ms=500, max_records=1000)
+                for tp, msgs in batch.items():
+                    for m in msgs:
+                        last_arrival = time.monotonic()
+                        try:
+                            s = decode("sample", m.value)
+                            batching.check_sample(s, self.cfg.max_tokens)
+                        except (SchemaError, batching.BadSample) as exc:
+                            reason = getattr(exc, "reason", "schema_error")
+                            self.state.skipped[reason] = self.state.skipped.get(reason, 0) + 1
+                            log.warning("skipping sample at %s:%d:%d: %s", tp.topic, tp.partition, m.offset, exc)
+                            s = None
+                        buffer.append((tp.partition, m.offset, s))
+                good = sum(1 for _, _, s in buffer if s is not None)
+                self.state.buffered = good
+                idle = time.monotonic() - last_arrival >= self.cfg.idle_flush_s
+                if good >= self.cfg.min_batch or (good > 0 and idle):
+                    buffer = await self._update(buffer, pad_id)
+                    if self.cfg.max_updates and self.state.updates >= self.cfg.max_updates:
+                        break
         finally:
-            if http is not None:
-                await http.cleanup()
+            await consumer.stop()
 
     async def _update(self, buffer: list, pad_id: int) -> list:
         """Train on a prefix of ``buffer`` holding up to max_batch good samples; return the rest."""
@@ -480,6 +575,7 @@ class Trainer:
             micro_batch_tokens=self.cfg.micro_batch_tokens,
             ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
             kl_coef=self.cfg.kl_coef)
+        before = dict(self.state.trained_offsets)
         for p, off, _ in head:
             key = f"{self.cfg.samples_topic}:{p}"
             self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
@@ -489,7 +585,9 @@ class Trainer:
         self.emit({"event": "update", "run": self.run, "update": self.state.updates, "step": self.state.step,
                    "version": self.state.version, **{k: round(v, 6) if isinstance(v, float) else v
                                                      for k, v in metrics.items()},
-                   "offsets": dict(self.state.trained_offsets), "skipped": dict(self.state.skipped)})
+                   "offsets": dict(self.state.trained_offsets),
+                   "consumed": checkpoint.consumed_ranges(before, self.state.trained_offsets),
+                   "skipped": dict(self.state.skipped)})
         if self.state.updates % self.cfg.checkpoint_every == 0:
             await self.publish()
         return rest
@@ -503,8 +601,9 @@ class Trainer:
 
 # ---- HTTP /health and /status ---------------------------------------------------------
 
-async def start_http(host: str, port: int, status_fn):
-    """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn()."""
+async def start_http(host: str, port: int, status_fn, routes: dict | None = None):
+    """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn(),
+    and GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route."""
     from aiohttp import web
 
     async def health(_):
@@ -513,9 +612,16 @@ async def start_http(host: str, port: int, status_fn):
     async def status(_):
         return web.json_response(status_fn())
 
+    def handler(fn):
+        async def h(_):
+            return web.json_response(await fn())
+        return h
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
+    for path, fn in (routes or {}).items():
+        app.router.add_get(path, handler(fn))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -533,7 +639,16 @@ def main(argv: list[str] | None = None) -> None:
                                    "max_updates": args.max_updates}.items() if v is not None}
     cfg = TrainerConfig(**overrides)
     trainer = Trainer(cfg)
-    asyncio.run(trainer.serve())
+
+    async def run() -> None:
+        # SIGTERM/SIGINT: finish the update in hand (and its checkpoint, unless MinIO/Kafka
+        # are down: a pending retry ends), then exit; unpublished work is redone on restart
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, trainer.stop)
+        await trainer.serve()
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":

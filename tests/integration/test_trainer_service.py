@@ -1,17 +1,29 @@
 """Trainer + reloader against the real stack (Kafka, MinIO, vLLM): real samples from vLLM
 -> one update -> verified checkpoint in MinIO + announcement -> resume point -> vLLM
-reloads it; a tampered checkpoint is refused while vLLM keeps serving."""
+reloads it; a tampered checkpoint is refused while vLLM keeps serving.
+
+Crash safety (Kafka + MinIO only, a tiny random Qwen2 with SmolLM2's tokenizer): a
+trainer SIGKILLed before its first checkpoint resumes at its start marker; checkpoint
+upload and reloader download ride out a MinIO outage (MinIO stopped and restarted).
+"""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
 from infra.settings import get_settings
+from infra.stack import ROOT, Stack
 from schemas.codec import encode
 from trainer import checkpoint
 from trainer.reloader import Reloader, ReloaderConfig, reload_vllm
@@ -101,6 +113,8 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path, stack):
         uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
         manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio, uri, tmp_path / "dl")
         assert manifest["trained_offsets"] == {f"{samples_topic}:0": 4}
+        assert manifest["consumed_offsets"] == {f"{samples_topic}:0": [0, 4]}
+        assert upd["consumed"] == {f"{samples_topic}:0": [0, 4]}
         assert manifest["parent_version"] == 0 and manifest["step"] == 1
         assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
         anns = await read_announcements(ckpt_topic, run, s.kafka_bootstrap)
@@ -150,3 +164,386 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path, stack):
             if minio.bucket_exists(s.checkpoint_bucket):
                 for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
                     minio.remove_object(s.checkpoint_bucket, o.object_name)
+
+
+# ---- crash safety: Kafka + MinIO only, a tiny model --------------------------------------
+
+@pytest.fixture(scope="module")
+def light_stack(settings):
+    """Kafka and MinIO of the local stack (started if missing), nothing else."""
+    st = Stack(settings)
+    st.up(["kafka", "minio"])
+    yield st
+    if not st.running("minio"):  # a failed test may leave MinIO stopped
+        st.start("minio")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, settings):
+    """A random 2-layer Qwen2 (hidden 32) with SmolLM2's tokenizer files: a real HF model
+    dir the trainer loads in seconds."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(settings.model_dir / name, d / name)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                      tie_word_embeddings=True, use_cache=False)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(d), safe_serialization=True)
+    return d
+
+
+def _toy_sample(i: int) -> dict:
+    transition = {
+        "rollout_id": f"r-{i}", "attempt_id": "a0", "span_id": f"{i:016x}", "task_id": f"task-{i // 2}",
+        "group_size": 2, "sequence_id": 0, "call_index": 0, "rollout_transition_count": 1, "agent_name": None,
+        "model": "policy", "policy_version": 0, "prompt_token_ids": [1, 20 + i % 7, 30],
+        "completion_token_ids": [40 + i % 5, 2], "behaviour_logprobs": [-1.0, -0.5],
+        "episode_return": float(i % 2), "reward": float(i % 2), "credit_rule": "identical", "status": "succeeded"}
+    return {"transition": transition, "advantage": 1.0 if i % 2 else -1.0, "group_id": f"task-{i // 2}",
+            "group_rollouts": 2, "group_mean": 0.5, "group_std": 0.5}
+
+
+async def _produce(topic: str, first: int, n: int) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(bootstrap_servers=get_settings().kafka_bootstrap, enable_idempotence=True)
+    await producer.start()
+    try:
+        for i in range(first, first + n):
+            await producer.send_and_wait(topic, encode("sample", _toy_sample(i)), key=f"task-{i // 2}".encode())
+    finally:
+        await producer.stop()
+
+
+async def _topics(*names: str):
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=get_settings().kafka_bootstrap)
+    await admin.start()
+    await admin.create_topics([NewTopic(n, 1, 1) for n in names])
+    return admin
+
+
+def _events(path: Path, event: str) -> list[dict]:
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+
+
+async def _wait_for(what: str, cond, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log else ""
+            pytest.fail(f"trainer exited {proc.returncode} waiting for {what}:\n{tail}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else ""))
+        await asyncio.sleep(0.5)
+
+
+def _remove_run(minio, bucket: str, run: str) -> None:
+    if minio.bucket_exists(bucket):
+        for o in minio.list_objects(bucket, prefix=f"{run}/", recursive=True):
+            minio.remove_object(bucket, o.object_name)
+
+
+async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tmp_path, light_stack,
+                                                                             tiny_model_dir):
+    """start=latest, SIGKILL before the first checkpoint, samples produced meanwhile: the
+    restarted trainer starts at the marker, not at the new end (no sample skipped)."""
+    s = get_settings()
+    tag = uuid.uuid4().hex[:8]
+    run, samples_topic, ckpt_topic = f"trcrash-{tag}", f"trcrash-samples-{tag}", f"trcrash-checkpoints-{tag}"
+    key = f"{samples_topic}:0"
+    admin = await _topics(samples_topic, ckpt_topic)
+    minio = checkpoint.make_client(s)
+    jsonl = tmp_path / "trainer.jsonl"
+    env = {**os.environ, **light_stack.service_env(), "SPANRL_TRAINER_RUN": run,
+           "SPANRL_TRAINER_BASE_DIR": str(tiny_model_dir), "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
+           "SPANRL_TRAINER_CHECKPOINTS_TOPIC": ckpt_topic, "SPANRL_TRAINER_START": "latest",
+           "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_LOG_PATH": str(jsonl),
+           "SPANRL_TRAINER_MICRO_BATCH": "4", "SPANRL_TRAINER_LR": "0.001"}
+    procs = []
+
+    def start(**extra) -> subprocess.Popen:
+        out = open(tmp_path / f"trainer-{len(procs)}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "trainer.train"], cwd=ROOT, env={**env, **extra},
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(p)
+        return p
+
+    try:
+        await _produce(samples_topic, 0, 3)  # before the run: not its samples (start=latest)
+        first = start(SPANRL_TRAINER_MIN_BATCH="1000", SPANRL_TRAINER_IDLE_FLUSH_S="3600")
+        await _wait_for("first start", lambda: _events(jsonl, "start"), 420, first, tmp_path / "trainer-0.log")
+        [marker_ev] = _events(jsonl, "start_marker")
+        assert marker_ev["offsets"] == {key: 3}
+        marker = checkpoint.read_start_marker(minio, s.checkpoint_bucket, run)
+        assert (marker["offsets"], marker["start"], marker["run"]) == ({key: 3}, "latest", run)
+        assert _events(jsonl, "start")[0]["from"] == {key: "latest"}
+
+        await _produce(samples_topic, 3, 4)  # offsets 3..6: the run's, buffered, not yet trained
+        await asyncio.sleep(2)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        await _produce(samples_topic, 7, 2)  # offsets 7..8 while the trainer is down
+
+        second = start(SPANRL_TRAINER_MIN_BATCH="6", SPANRL_TRAINER_IDLE_FLUSH_S="3600",
+                       SPANRL_TRAINER_MAX_UPDATES="1")
+        await _wait_for("the restart", lambda: len(_events(jsonl, "start")) == 2, 420, second,
+                        tmp_path / "trainer-1.log")
+        restart = _events(jsonl, "start")[1]
+        assert (restart["offsets"], restart["from"]) == ({key: 3}, {key: "marker"})
+        rc = await asyncio.to_thread(second.wait, 420)
+        assert rc == 0, (tmp_path / "trainer-1.log").read_text()[-3000:]
+        assert len(_events(jsonl, "start_marker")) == 1  # the marker is written once
+        [upd] = _events(jsonl, "update")
+        assert (upd["samples"], upd["consumed"]) == (6, {key: [3, 9]})
+        manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio,
+                                           checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1), tmp_path / "v1")
+        assert (manifest["trained_offsets"], manifest["consumed_offsets"]) == ({key: 9}, {key: [3, 9]})
+        assert checkpoint.check_offset_chain([manifest], start=marker["offsets"]) == []
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        await admin.delete_topics([samples_topic, ckpt_topic])
+        await admin.close()
+        _remove_run(minio, s.checkpoint_bucket, run)
+        shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
+
+
+async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack, tiny_model_dir):
+    """MinIO stopped before publish: upload retried with backoff (logged), version 1 is
+    published once MinIO is back; a stop during a retry leaves the version unpublished."""
+    from trainer.train import build_engine, load_model
+
+    s = get_settings()
+    tag = uuid.uuid4().hex[:8]
+    run, samples_topic, ckpt_topic = f"trminio-{tag}", f"trminio-samples-{tag}", f"trminio-checkpoints-{tag}"
+    key = f"{samples_topic}:0"
+    admin = await _topics(samples_topic, ckpt_topic)
+    minio = checkpoint.make_client(s)
+    jsonl = tmp_path / "trainer.jsonl"
+    tr = Trainer(TrainerConfig(run=run, base_dir=tiny_model_dir, samples_topic=samples_topic,
+                               checkpoints_topic=ckpt_topic, http=False, log_path=jsonl))
+    tr.engine = await asyncio.to_thread(build_engine, load_model(tiny_model_dir), lr=1e-3, micro_batch=2)
+    tr._consumed_from, tr.state.trained_offsets = {key: 3}, {key: 7}
+    tr.state.last_metrics, tr.state.step = {"loss": 0.25}, 1
+    try:
+        await asyncio.to_thread(light_stack.stop, "minio")
+        publish = asyncio.create_task(tr.publish())
+        await _wait_for("2 upload retries", lambda: len(_events(jsonl, "retry")) >= 2, 300)
+        assert not publish.done() and tr.state.version == 0
+        assert tr.state.pending_checkpoint == checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+        await asyncio.to_thread(light_stack.start, "minio")
+        await asyncio.wait_for(publish, 180)
+        retries = _events(jsonl, "retry")
+        assert [r["attempt"] for r in retries[:2]] == [1, 2] and retries[0]["what"].startswith("upload s3://")
+        assert tr.state.version == 1 and tr.state.pending_checkpoint is None
+        uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+        manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio, uri, tmp_path / "v1")
+        assert (manifest["consumed_offsets"], manifest["trained_offsets"]) == ({key: [3, 7]}, {key: 7})
+        anns = await read_announcements(ckpt_topic, run, s.kafka_bootstrap)
+        sha = checkpoint.manifest_sha256(tmp_path / "v1")
+        assert [(a["version"], a["manifest_sha256"]) for a in anns] == [(1, sha)]
+        # the same upload again (a retry whose first reply was lost) is a no-op; other bytes are refused
+        out = s.cache_dir / "trainer" / run / "000001"
+        await asyncio.to_thread(checkpoint.upload_checkpoint, minio, out, uri)
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "x").write_text("x")
+        checkpoint.write_manifest(other, run=run, version=1, parent_version=0, base_model="b", step=9,
+                                  trained_offsets={key: 8}, metrics={})
+        with pytest.raises(checkpoint.CheckpointError, match="already holds a different published manifest"):
+            await asyncio.to_thread(checkpoint.upload_checkpoint, minio, other, uri)
+
+        # stopped while MinIO is down: v2 stays unpublished, the trainer's version stays 1
+        tr.state.trained_offsets = {key: 9}
+        await asyncio.to_thread(light_stack.stop, "minio")
+        publish = asyncio.create_task(tr.publish())
+        n = len(_events(jsonl, "retry"))
+        await _wait_for("a retry of v2", lambda: len(_events(jsonl, "retry")) > n, 300)
+        tr.stop()
+        with pytest.raises(checkpoint.Stopped):
+            await asyncio.wait_for(publish, 60)
+        assert tr.state.version == 1
+        await asyncio.to_thread(light_stack.start, "minio")
+        assert checkpoint.latest_version_in_store(minio, s.checkpoint_bucket, run) == 1
+    finally:
+        if not light_stack.running("minio"):
+            await asyncio.to_thread(light_stack.start, "minio")
+        await admin.delete_topics([samples_topic, ckpt_topic])
+        await admin.close()
+        _remove_run(minio, s.checkpoint_bucket, run)
+        shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
+
+
+async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack, tiny_model_dir):
+    """MinIO down while the reloader fetches an announced checkpoint: retried until MinIO
+    is back, then verified; a checksum mismatch is refused at once, never retried."""
+    s = get_settings()
+    run = f"trreload-{uuid.uuid4().hex[:8]}"
+    minio = checkpoint.make_client(s)
+    ckpt = tmp_path / "000001"
+    shutil.copytree(tiny_model_dir, ckpt)
+    checkpoint.write_manifest(ckpt, run=run, version=1, parent_version=0, base_model="tiny", step=1,
+                              trained_offsets={"s:0": 4}, consumed_offsets={"s:0": [0, 4]}, metrics={})
+    uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+    ann = {"run": run, "version": 1, "uri": uri, "manifest_sha256": checkpoint.manifest_sha256(ckpt)}
+    rl = Reloader(ReloaderConfig(run=run, http=False, watch_interval_s=0))
+    dest = s.cache_dir / "checkpoints" / run / "000001"
+    try:
+        await asyncio.to_thread(checkpoint.upload_checkpoint, minio, ckpt, uri)
+        await asyncio.to_thread(light_stack.stop, "minio")
+        entry: dict = {}
+        fetch = asyncio.create_task(rl.fetch(ann, entry))
+        await _wait_for("a download retry", lambda: entry.get("retries", 0) >= 1, 300)
+        assert not fetch.done() and not dest.exists()
+        await asyncio.to_thread(light_stack.start, "minio")
+        assert await asyncio.wait_for(fetch, 180) == dest
+        assert checkpoint.verify_manifest(dest)["version"] == 1
+
+        bad = dict(ann, manifest_sha256="0" * 64)
+        entry = {}
+        with pytest.raises(checkpoint.CheckpointError, match="manifest sha256"):
+            await rl.fetch(bad, entry)
+        assert "retries" not in entry and not dest.exists()
+    finally:
+        if not light_stack.running("minio"):
+            await asyncio.to_thread(light_stack.start, "minio")
+        _remove_run(minio, s.checkpoint_bucket, run)
+        shutil.rmtree(s.cache_dir / "checkpoints" / run, ignore_errors=True)
+
+
+# ---- policy-version labels across vLLM and proxy restarts (needs vLLM) -----------------
+
+async def _spans(topic: str, rollout_id: str) -> list[dict]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from schemas.codec import decode
+    from trainer.train import _partitions
+
+    c = AIOKafkaConsumer(bootstrap_servers=get_settings().kafka_bootstrap, group_id=None,
+                         isolation_level="read_committed", enable_auto_commit=False)
+    await c.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in await _partitions(c, topic)]
+        c.assign(tps)
+        end = await c.end_offsets(tps)
+        await c.seek_to_beginning(*tps)
+        out = []
+        while any([await c.position(t) < end[t] for t in tps]):
+            for msgs in (await c.getmany(timeout_ms=1000)).values():
+                out += [decode("span", m.value) for m in msgs]
+        return [x for x in out if x["rollout_id"] == rollout_id]
+    finally:
+        await c.stop()
+
+
+async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, light_stack):
+    """The proxy starts with the reloader's served version (not 0); when vLLM goes, the
+    proxy answers 503 policy_unsynced (never a call under a wrong label) until the
+    reloader has reloaded the served checkpoint into the restarted vLLM and posted it."""
+    from producers.kafka import Topics, create_topics, delete_topics
+
+    s = get_settings()
+    light_stack.up(["vllm"])
+    await _vllm_ready(s.vllm_url)
+    tag = uuid.uuid4().hex[:8]
+    run, ckpt_topic = f"trlabel-{tag}", f"trlabel-checkpoints-{tag}"
+    topics = Topics.with_prefix(f"trlabel-{tag}-")
+    await create_topics(s.kafka_bootstrap, topics.all())
+    admin = await _topics(ckpt_topic)
+    # "v1": the base weights (hard links) under a checkpoint manifest: the label is what is
+    # tested here, download and verification are tested above
+    ckpt = tmp_path / "000001"
+    shutil.copytree(s.model_dir, ckpt, copy_function=os.link)
+    checkpoint.write_manifest(ckpt, run=run, version=1, parent_version=0, base_model="base", step=1,
+                              trained_offsets={}, metrics={})
+    uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+    rl = Reloader(ReloaderConfig(run=run, checkpoints_topic=ckpt_topic, start="latest", watch_interval_s=1.0))
+    reloader_task = proxy = None
+    proxy_url = s.proxy_url
+    chat_url = f"{proxy_url}/rollouts/{run}/attempts/0/v1/chat/completions"
+    body = {"model": s.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    try:
+        assert await rl.load(1, ckpt, uri) is True
+        reloader_task = asyncio.create_task(rl.serve())
+        await _wait_for("the reloader to serve v1", lambda: rl.vllm_synced and rl.served_version == 1, 300)
+
+        # (a) a proxy started now asks the reloader: v1, not 0
+        proxy = subprocess.Popen([sys.executable, "-m", "producers.proxy", "--port", str(s.proxy_port),
+                                  "--topic-prefix", f"trlabel-{tag}-", "--vllm-url", s.vllm_url,
+                                  "--reloader-url", f"http://{s.host}:{s.reloader_port}"], cwd=ROOT,
+                                 start_new_session=True)
+        async with httpx.AsyncClient(timeout=120) as http:
+            async def proxy_state() -> dict:
+                try:
+                    return (await http.get(f"{proxy_url}/admin/policy_version")).json()
+                except httpx.HTTPError:
+                    return {}
+
+            deadline = time.monotonic() + 60
+            while not (await proxy_state()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert (await proxy_state())["version"] == 1 and (await proxy_state())["synced"] is True
+            assert (await http.post(chat_url, json=body)).status_code == 200
+
+            # (b) vLLM goes: the proxy is told (no call needed) and refuses calls
+            await asyncio.to_thread(light_stack.stop, "vllm")
+            deadline = time.monotonic() + 30
+            while (await proxy_state())["synced"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert (await proxy_state())["synced"] is False
+            r = await http.post(chat_url, json=body)
+            assert (r.status_code, r.json()["error"]["type"]) == (503, "policy_unsynced") and r.headers["retry-after"]
+
+            # vLLM back (base weights): calls are refused until the reloader re-applied v1
+            answers: list[tuple[float, int]] = []
+
+            async def keep_calling():
+                while True:
+                    try:
+                        answers.append((time.time() * 1000, (await http.post(chat_url, json=body)).status_code))
+                    except httpx.HTTPError:
+                        answers.append((time.time() * 1000, -1))
+                    await asyncio.sleep(0.5)
+
+            caller = asyncio.create_task(keep_calling())
+            await asyncio.to_thread(light_stack.start, "vllm")
+            deadline = time.monotonic() + 120
+            while not (await proxy_state())["synced"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 120
+            while 200 not in [st for _, st in answers] and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            caller.cancel()
+            await asyncio.gather(caller, return_exceptions=True)
+            assert (await proxy_state()) == {"version": 1, "checkpoint": uri, "synced": True, "managed": True,
+                                             "reason": None}
+            reapply = [h for h in rl.history if h.get("event") == "reapply" and h["reloaded"]]
+            assert reapply, rl.history
+            reapplied_ms = reapply[-1]["at_ms"] + reapply[-1]["reload_s"] * 1000
+            assert [st for t, st in answers if t < reapplied_ms and st == 200] == [], answers
+            assert 200 in [st for _, st in answers], answers
+            assert (await http.post(chat_url, json=body)).status_code == 200
+        spans = await _spans(topics.spans.name, run)
+        assert len(spans) >= 3 and {sp["llm"]["policy_version"] for sp in spans} == {1}
+    finally:
+        if proxy is not None:
+            os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(20)
+        rl.stop()
+        if reloader_task is not None:
+            await asyncio.wait_for(reloader_task, 30)
+        if light_stack.healthy("vllm"):
+            await reload_vllm(s.vllm_url, s.model_dir)
+        await admin.delete_topics([ckpt_topic])
+        await admin.close()
+        await delete_topics(s.kafka_bootstrap, [t.name for t in topics.all()])
