@@ -230,26 +230,13 @@ def manifests(s: Settings, run: str) -> list[dict]:
     return out
 
 
-def trainer_problems(ms: list[dict]) -> list[str]:
-    """Gaps/overlaps in the checkpoint chain (trainer.checkpoint.check_offset_chain when it
-    exists, else: versions consecutive, parents right, trained offsets never going back)."""
-    check = getattr(checkpoint, "check_offset_chain", None)
-    if check is not None:
-        return list(check(ms))
-    problems, prev = [], None
-    for m in ms:
-        if "missing" in m:
-            problems.append(f"v{m['version']}: manifest missing ({m['missing']})")
-            prev = None
-            continue
-        if prev is not None:
-            if m.get("parent_version") != prev["version"]:
-                problems.append(f"v{m['version']}: parent {m.get('parent_version')} != {prev['version']}")
-            for k, off in prev["trained_offsets"].items():
-                if m["trained_offsets"].get(k, 0) < off:
-                    problems.append(f"v{m['version']}: {k} went back {off} -> {m['trained_offsets'].get(k)}")
-        prev = m
-    return problems
+def trainer_problems(s: Settings, run: str, ms: list[dict]) -> list[str]:
+    """Gaps/overlaps in the run's checkpoint chain, from its start marker on
+    (trainer.checkpoint.check_offset_chain over every manifest's consumed_offsets)."""
+    missing = [f"v{m['version']}: manifest unreadable ({m['missing']})" for m in ms if "missing" in m]
+    marker = checkpoint.read_start_marker(checkpoint.make_client(s), s.checkpoint_bucket, run)
+    return missing + checkpoint.check_offset_chain([m for m in ms if "missing" not in m],
+                                                   start=(marker or {}).get("offsets"))
 
 
 # ------------------------------------------------------------------------- one fault
@@ -336,7 +323,7 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
         time.sleep(3)
     settled_s = time.monotonic() - t_kill
     ms = manifests(s, s.run)
-    tp = trainer_problems(ms)
+    tp = trainer_problems(s, s.run, ms)
     entry = {
         "fault": fault, "component": component, "run_id": fid,
         "planned_calls": planned, "acknowledged_at_kill": acked_at_kill,

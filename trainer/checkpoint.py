@@ -285,6 +285,22 @@ async def retry(fn: Callable[[], Awaitable[T]], *, what: str, stop: asyncio.Even
 
 # ---- object storage (plumbing) ------------------------------------------------------
 
+def prune_local(run_dir: Path, keep: int, protect: set[Path] | frozenset = frozenset()) -> list[Path]:
+    """Delete the local version directories (six-digit names) of ``run_dir`` except the
+    newest ``keep`` and those in ``protect``; returns what was deleted, oldest first.
+    ``keep <= 0`` keeps everything. MinIO holds every published version; these are
+    working copies (a SmolLM2-135M fp32 checkpoint is ~0.5 GB, and a chaos run writes ~40)."""
+    run_dir = Path(run_dir)
+    if keep <= 0 or not run_dir.is_dir():
+        return []
+    versions = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.isdigit() and len(p.name) == 6)
+    protected = {Path(p).resolve() for p in protect}
+    doomed = [p for p in versions[:-keep] if p.resolve() not in protected]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
 def make_client(settings):
     """A minio client for ``settings`` (infra.settings.Settings)."""
     from minio import Minio

@@ -69,6 +69,7 @@ class ReloaderConfig(BaseSettings):
     max_announcements: int | None = None  # stop after handling this many (tests)
     watch_interval_s: float = 1.0  # poll vLLM /health this often; 0 = do not watch
     http: bool = True
+    keep_local: int = 2  # local checkpoint copies kept per run (0: all); MinIO keeps every version
 
 
 def vllm_watch_action(up: bool, synced: bool, now: float, next_apply_at: float) -> str:
@@ -211,6 +212,8 @@ class Reloader:
         entry["reloaded"], entry["error"] = True, None
         self.served_version, self.served_dir, self.served_uri = t["version"], t["dir"], t["uri"]
         self.vllm_synced = True
+        if t["dir"] and Path(t["dir"]).parent.name == self.run:  # never the base model's directory
+            checkpoint.prune_local(Path(t["dir"]).parent, self.cfg.keep_local, protect={Path(t["dir"])})
         self._apply_failures, self._next_apply_at = 0, 0.0
         log.info("vLLM now serves %s v%d (reload %.2fs)", self.run, t["version"], entry["reload_s"])
         await notify_proxy(self.proxy_url, t["version"], t["uri"])

@@ -74,6 +74,7 @@ class TrainerConfig(BaseSettings):
     micro_batch_tokens: int = 2048  # ... and at most this many padded tokens
     max_tokens: int = 4096
     checkpoint_every: int = 1
+    keep_local: int = 2  # local checkpoint copies kept per run (0: all); MinIO keeps every version
     init_from: str | None = None  # "RUN:VERSION": a new run starts from that checkpoint (replay)
     start: str = "earliest"  # where a run with no checkpoint starts reading samples: earliest|latest
     max_updates: int | None = None  # stop after this many updates (tests, benchmarks)
@@ -432,6 +433,7 @@ class Trainer:
         self.state.last_checkpoint = uri
         self.state.pending_checkpoint = None
         self._consumed_from = trained
+        checkpoint.prune_local(out.parent, self.cfg.keep_local, protect={self.model_dir, out})
         self.emit({"event": "checkpoint", "run": self.run, "version": version, "uri": uri,
                    "step": self.state.step, "trained_offsets": trained, "consumed_offsets": consumed,
                    "seconds": round(time.perf_counter() - t0, 3)})

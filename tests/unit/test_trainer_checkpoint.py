@@ -209,3 +209,16 @@ def test_retry_until_success_and_refusals():
     with pytest.raises(checkpoint.Stopped, match="upload: stopped after 1 failed attempts"):
         asyncio.run(stopped_during_backoff())
     assert seen == [(1, 0.001, "ConnectionRefusedError")]
+
+
+def test_prune_local_keeps_the_newest_and_protected(tmp_path):
+    from trainer.checkpoint import prune_local
+
+    run = tmp_path / "run"
+    for v in (1, 2, 3, 4, 5):
+        (run / f"{v:06d}").mkdir(parents=True)
+    (run / "000006.partial").mkdir()
+    gone = prune_local(run, keep=2, protect={run / "000001"})
+    assert [p.name for p in gone] == ["000002", "000003"]
+    assert sorted(p.name for p in run.iterdir()) == ["000001", "000004", "000005", "000006.partial"]
+    assert prune_local(run, keep=0) == [] and prune_local(tmp_path / "absent", keep=2) == []
