@@ -186,8 +186,10 @@ async def reload_vllm(vllm_url: str, weights_dir: Path, pause_mode: str = "wait"
 
 
 async def notify_proxy(proxy_url: str, version: int, uri: str) -> None:
+    from producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
             r = await client.post(f"{proxy_url}/admin/policy_version", json={"version": version, "checkpoint": uri})
             if r.status_code >= 400:
                 log.warning("proxy refused policy version %d: %s %s", version, r.status_code, r.text[:200])
