@@ -43,9 +43,10 @@ DEFAULT_MAX_INFLIGHT = 64 << 20
 class InflightBuffer:
     """Bytes of encoded records that wait for Kafka's acks, bounded by ``max_bytes``.
 
-    ``try_reserve(n)`` admits ``n`` bytes when ``used + n <= max_bytes``, or when nothing is
-    in flight (so a request larger than the whole bound is not refused forever); the
-    caller ``release(n)``s them once Kafka answered, acked or not. One event loop, no lock.
+    ``try_reserve(n)`` admits ``n`` bytes when ``used + n <= max_bytes``, when nothing is in
+    flight (so a request larger than the whole bound is not refused forever) and when
+    ``n == 0``; the caller ``release(n)``s them once Kafka answered, acked or not. One
+    event loop, no lock.
     """
 
     def __init__(self, max_bytes: int):
@@ -55,7 +56,7 @@ class InflightBuffer:
         self.used = 0
 
     def try_reserve(self, n: int) -> bool:
-        if self.used and self.used + n > self.max_bytes:
+        if n and self.used and self.used + n > self.max_bytes:
             return False
         self.used += n
         return True
@@ -103,7 +104,6 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
 
     app = FastAPI(title="spanrl OTLP bridge", lifespan=lifespan)
     app.state.metrics = metrics
-    app.state.inflight = inflight
 
     def error(status: int, reason: str, detail: str, headers: dict | None = None) -> Response:
         """A JSON error ``{"error": reason, "detail": ...}``; counts ``http_<status>`` and ``reason``."""
@@ -113,7 +113,6 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
         return JSONResponse({"error": reason, "detail": detail}, status, headers=headers)
 
     edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
-
     edge.install_error_handlers(app, error)
 
     async def produce(items: list[tuple]) -> Response | None:

@@ -82,6 +82,12 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
+def install_auth(app, token: SecretStr | str | None, reject: Callable[[str, str], Response]) -> None:
+    """Add :class:`BearerAuth` to a FastAPI ``app`` when ``token`` is set (no-op otherwise)."""
+    if token_value(token) is not None:
+        app.add_middleware(BearerAuth, token=token, reject=reject)
+
+
 def validation_summary(exc: RequestValidationError) -> str:
     """A 422's detail without the offending input: ``body.value: Input should be ...; ...``."""
     return "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors())
@@ -108,9 +114,3 @@ def install_error_handlers(app, error: Callable[..., Response]) -> None:
 def safe_detail(detail: str) -> str:
     """``detail`` encodable as UTF-8 JSON: bad input may hold lone surrogates (JSON ``"\\ud800"``)."""
     return detail.encode("utf-8", "backslashreplace").decode()
-
-
-def install_auth(app, token: SecretStr | str | None, reject: Callable[[str, str], Response]) -> None:
-    """Add :class:`BearerAuth` to a FastAPI ``app`` when ``token`` is set (no-op otherwise)."""
-    if token_value(token) is not None:
-        app.add_middleware(BearerAuth, token=token, reject=reject)

@@ -222,7 +222,6 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         return JSONResponse({"error": {"message": detail, "type": reason, "code": status}}, status, headers=headers)
 
     edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
-
     edge.install_error_handlers(app, error)
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request) -> Response:

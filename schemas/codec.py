@@ -18,6 +18,7 @@ import json
 import numbers
 import re
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def _check_scalars(avro: Any, value: Any, where: str) -> None:
     """Raise SchemaError for a value that fastavro would write changed instead of refusing:
     a non-bool in a boolean field (it writes the truthiness: None -> false), a fractional
     number in an int/long field (truncated: 1.5 -> 1) or one out of the type's range, a
-    non-list in an array or a non-dict in a map field (``""`` or ``b""`` -> empty), an int
+    text or a mapping in an array, a non-mapping in a map field (``""`` -> empty), an int
     array item out of range. Walks records and nullable unions; the items of arrays and
     maps are not type-checked (cost: token id lists), so 1.5 in an int array is written 1."""
     if isinstance(avro, list):
@@ -155,17 +156,17 @@ def _check_scalars(avro: Any, value: Any, where: str) -> None:
                         _check_scalars(f["type"], value[f["name"]], f"{where}.{f['name']}")
             return
         if avro.get("type") == "array":
-            if not isinstance(value, (list, tuple)):
+            if isinstance(value, (str, bytes, bytearray, Mapping)) or not hasattr(value, "__iter__"):
                 raise SchemaError("schema_error", f"{where}: array field got {type(value).__name__}")
-            if avro["items"] in _INT_RANGE and value:  # token ids: min/max run at C speed
+            if avro["items"] in _INT_RANGE and hasattr(value, "__len__") and len(value):  # min/max: C speed
                 lo, hi = _INT_RANGE[avro["items"]]
                 try:
-                    inside = lo <= min(value) and max(value) <= hi
-                except TypeError:  # not all numbers: fastavro refuses them itself
+                    inside = bool(lo <= min(value) and max(value) <= hi)
+                except (TypeError, ValueError):  # not all numbers: fastavro refuses them itself
                     return
                 if not inside:
                     raise SchemaError("schema_error", f"{where}: an item is out of the {avro['items']} range")
-        if avro.get("type") == "map" and not isinstance(value, dict):
+        if avro.get("type") == "map" and not isinstance(value, Mapping):
             raise SchemaError("schema_error", f"{where}: map field got {type(value).__name__}")
         avro = avro.get("type")
     if avro == "boolean" and not isinstance(value, bool):

@@ -24,6 +24,7 @@ def test_inflight_buffer_bounds_bytes_waiting_for_acks():
     assert b.used == 0
     assert b.try_reserve(250) and b.used == 250  # alone, a request over the bound still goes
     assert not b.try_reserve(1)
+    assert b.try_reserve(0) and b.used == 250  # nothing to wait for is never refused
     b.release(250)
     with pytest.raises(ValueError):
         b.release(1)
