@@ -366,8 +366,10 @@ def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path,
 
     token = "itest-" + secrets.token_urlsafe(24)
     settings = Settings(auth_token=token)
+    own = Topics.with_prefix(_prefix(stack["topics"]) + "tok-")  # its rollouts stay out of the runner tests'
+    asyncio.run(create_topics(S.kafka_bootstrap, own.all()))
     log = tmp_path / "proxy.log"
-    proc, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(stack["topics"]),
+    proc, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(own),
                                     env={"SPANRL_AUTH_TOKEN": token}, output=log)
     try:
         monkeypatch.setattr(reloader, "get_settings", lambda: settings)
@@ -381,12 +383,12 @@ def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path,
                                                      messages=[{"role": "user", "content": "hi"}])
             return 1.0
 
-        runner = Runner(agent, proxy_url=proxy_url, topics=stack["topics"], settings=settings)
+        runner = Runner(agent, proxy_url=proxy_url, topics=own, settings=settings)
         [[result]] = asyncio.run(runner.run_tasks([{"payload": "{}", "group_size": 1}]))
     finally:
         stop(proc)
     assert (result.status, result.error) == ("succeeded", None)
-    spans = read_topic(stack["topics"].spans, lambda rs: bool(of_rollout(rs, result.rollout_id)), 10)
+    spans = read_topic(own.spans, lambda rs: bool(of_rollout(rs, result.rollout_id)), 10)
     [span] = of_rollout(spans, result.rollout_id)
     assert (span["source"], span["llm"]["policy_version"]) == ("proxy", 5)
     assert token not in log.read_text(errors="replace")
