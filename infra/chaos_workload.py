@@ -27,6 +27,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from infra.ledger import known_reward
 from infra.settings import get_settings
+from producers.edge import bearer_headers
 from producers.kafka import Topics
 from producers.runner import RolloutContext, Runner
 from schemas import topics as T
@@ -98,8 +99,8 @@ def make_agent(calls: int, pace_s: float, acks: AckLog, bridge_url: str, model: 
     """The async agent callable for :class:`Runner` (see module doc)."""
 
     async def agent(ctx: RolloutContext) -> None:
-        llm = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused", max_retries=3, timeout=60)
-        async with httpx.AsyncClient(timeout=30) as http:
+        llm = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=3, timeout=60)
+        async with httpx.AsyncClient(timeout=30, headers=bearer_headers(get_settings().auth_token)) as http:
             for t in range(calls):
                 r = await llm.chat.completions.create(
                     model=model, max_tokens=4, temperature=1.0,

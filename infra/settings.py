@@ -1,8 +1,9 @@
 """Where everything lives and listens: one settings object read from the environment.
 
 Every field can be set as ``SPANRL_<FIELD>`` (e.g. ``SPANRL_KAFKA_PORT=29092``) or in
-a ``.env`` file. Ports bind to ``host`` (loopback by default). Secrets (MinIO keys)
-come only from the environment; the defaults are for the local throwaway stack.
+a ``.env`` file. Ports bind to ``host`` (loopback by default). Secrets (MinIO keys, the
+bearer token) come only from the environment (or a file); the defaults are for the local
+throwaway stack. Secrets are ``SecretStr``: they print as ``**********``.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import SecretStr
+from pydantic import SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -49,6 +50,28 @@ class Settings(BaseSettings):
     #: directory of the base model (safetensors); default: the converted SmolLM2 in the cache
     base_model_dir: Path | None = None
     run: str = "default"
+
+    #: bearer token the bridge and the proxy demand on every route but ``GET /health``
+    #: (None: no auth). ``SPANRL_AUTH_TOKEN``, or the file named by ``SPANRL_AUTH_TOKEN_FILE``
+    auth_token: SecretStr | None = None
+    auth_token_file: Path | None = None
+    #: bytes of encoded records the bridge holds waiting for Kafka's acks; a request that
+    #: would go over gets 503 ``buffer_full`` at once
+    bridge_max_inflight_bytes: int = 64 << 20
+    #: seconds a producer waits for Kafka's acks before answering 503 ``kafka_unavailable``
+    kafka_send_timeout_s: float = 15.0
+
+    @model_validator(mode="after")
+    def _read_auth_token(self) -> "Settings":
+        """An empty ``SPANRL_AUTH_TOKEN`` means no auth; a token file must hold a token."""
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            self.auth_token = None
+        if self.auth_token is None and self.auth_token_file is not None:
+            token = self.auth_token_file.read_text().strip()
+            if not token:
+                raise ValueError(f"SPANRL_AUTH_TOKEN_FILE {self.auth_token_file} is empty")
+            self.auth_token = SecretStr(token)
+        return self
 
     @property
     def kafka_bootstrap(self) -> str:

@@ -4,7 +4,10 @@
 
 Promise: a client that got a 2xx finds its spans in Kafka (we answer only after the
 broker acknowledged every record). Spans that cannot be used go to dead-letter with a
-reason code and are reported back as ``partial_success.rejected_spans``.
+reason code and are reported back as ``partial_success.rejected_spans``. Records
+waiting for acks are bounded (``SPANRL_BRIDGE_MAX_INFLIGHT_BYTES``): a request that would
+go over is answered 503 ``buffer_full`` + Retry-After at once, before anything is sent.
+With ``SPANRL_AUTH_TOKEN`` set, every route but ``GET /health`` needs the bearer token.
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
     ExportTraceServiceResponse,
 )
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
+from producers import edge
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from producers.otlp import Converted, OtlpError, convert_request, decode_request
 from schemas import codec
@@ -32,6 +36,35 @@ log = logging.getLogger("spanrl.bridge")
 PROTOBUF = "application/x-protobuf"
 DEFAULT_MAX_BODY = int(os.environ.get("SPANRL_BRIDGE_MAX_BODY_BYTES", 8 << 20))
 RETRY_AFTER_S = "5"
+BUFFER_RETRY_AFTER_S = "1"  # the buffer drains as fast as Kafka acks, usually in milliseconds
+DEFAULT_MAX_INFLIGHT = 64 << 20
+
+
+class InflightBuffer:
+    """Bytes of encoded records that wait for Kafka's acks, bounded by ``max_bytes``.
+
+    ``try_reserve(n)`` admits ``n`` bytes when ``used + n <= max_bytes``, when nothing is in
+    flight (so a request larger than the whole bound is not refused forever) and when
+    ``n == 0``; the caller ``release(n)``s them once Kafka answered, acked or not. One
+    event loop, no lock.
+    """
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.used = 0
+
+    def try_reserve(self, n: int) -> bool:
+        if n and self.used and self.used + n > self.max_bytes:
+            return False
+        self.used += n
+        return True
+
+    def release(self, n: int) -> None:
+        if n > self.used:
+            raise ValueError(f"release of {n} bytes with only {self.used} in flight")
+        self.used -= n
 
 
 class RewardIn(BaseModel):
@@ -53,9 +86,12 @@ def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
             "task_id": None, "payload": c.raw, "timestamp_ms": now_ms()}
 
 
-def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: SecretStr | str | None = None,
+               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT) -> FastAPI:
+    """The bridge app writing through ``sink``; ``auth_token`` (None: open) see producers/edge.py."""
     metrics: Counter[str] = Counter()
     topics: Topics = sink.topics
+    inflight = InflightBuffer(max_inflight_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,33 +105,50 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
     app = FastAPI(title="spanrl OTLP bridge", lifespan=lifespan)
     app.state.metrics = metrics
 
-    def unavailable(exc: Exception) -> Response:
-        metrics["kafka_unavailable"] += 1
-        return JSONResponse({"error": "kafka_unavailable", "detail": str(exc)}, 503,
-                            headers={"Retry-After": RETRY_AFTER_S})
-
-    def error(status: int, detail: str) -> Response:
+    def error(status: int, reason: str, detail: str, headers: dict | None = None) -> Response:
+        """A JSON error ``{"error": reason, "detail": ...}``; counts ``http_<status>`` and ``reason``."""
         metrics[f"http_{status}"] += 1
-        return JSONResponse({"error": detail}, status)
+        metrics[reason] += 1
+        detail = edge.safe_detail(detail)
+        return JSONResponse({"error": reason, "detail": detail}, status, headers=headers)
+
+    edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
+    edge.install_error_handlers(app, error)
+
+    async def produce(items: list[tuple]) -> Response | None:
+        """Send encoded ``items`` and wait for the acks; an error response, or None when acked."""
+        size = sum(len(v) + len(k or "") for _, k, v in items)
+        if not inflight.try_reserve(size):
+            return error(503, "buffer_full", f"{inflight.used} of {inflight.max_bytes} bytes wait for Kafka; "
+                         f"this request needs {size}", {"Retry-After": BUFFER_RETRY_AFTER_S})
+        try:
+            await sink.produce_raw(items)
+        except KafkaUnavailable as exc:
+            return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
+        finally:
+            inflight.release(size)
+        return None
 
     @app.post("/v1/traces")
     async def traces(request: Request) -> Response:
         metrics["requests"] += 1
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != PROTOBUF:
-            return error(415, f"Content-Type must be {PROTOBUF} (OTLP/HTTP protobuf), got {ctype!r}")
+            return error(415, "unsupported_media_type",
+                         f"Content-Type must be {PROTOBUF} (OTLP/HTTP protobuf), got {ctype!r}")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > max_body_bytes:
-            return error(413, f"body over {max_body_bytes} bytes")
+            return error(413, "body_too_large", f"body over {max_body_bytes} bytes")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > max_body_bytes:
-                return error(413, f"body over {max_body_bytes} bytes")
+                return error(413, "body_too_large", f"body over {max_body_bytes} bytes")
         try:
             req = decode_request(bytes(body), request.headers.get("content-encoding"), max_body_bytes)
         except OtlpError as exc:
-            return error(exc.status, exc.detail)
+            reason = {400: "invalid_otlp", 413: "body_too_large", 415: "unsupported_encoding"}.get(exc.status, "invalid_otlp")
+            return error(exc.status, reason, exc.detail)
 
         items: list[tuple] = []
         rejected: Counter[str] = Counter()
@@ -115,10 +168,9 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
             if c.dead_reason is not None:
                 rejected[c.dead_reason] += 1
                 items.append((topics.dead_letter, c.rollout_id, codec.encode(topics.dead_letter.record, _dead_letter(c))))
-        try:
-            await sink.produce_raw(items)
-        except KafkaUnavailable as exc:
-            return unavailable(exc)
+        failed = await produce(items)
+        if failed is not None:
+            return failed
         n_spans = sum(1 for t, _, _ in items if t is topics.spans)
         metrics["spans"] += n_spans
         metrics["rewards"] += sum(1 for t, _, _ in items if t is topics.rewards)
@@ -134,13 +186,16 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
     @app.post("/v1/rewards")
     async def rewards(reward: RewardIn) -> Response:
         if not math.isfinite(reward.value) or not all(math.isfinite(v) for v in reward.components.values()):
-            return error(400, "invalid_reward: value and components must be finite")
+            return error(400, "invalid_reward", "value and components must be finite numbers")
         record = reward.model_dump()
         record["timestamp_ms"] = reward.timestamp_ms or now_ms()
         try:
-            await sink.produce([(topics.rewards, reward.rollout_id, record)])
-        except KafkaUnavailable as exc:
-            return unavailable(exc)
+            value = codec.encode(topics.rewards.record, record)
+        except codec.SchemaError as exc:  # RewardIn passed, so not expected; never a 500 though
+            return error(400, exc.reason, exc.detail)
+        failed = await produce([(topics.rewards, reward.rollout_id, value)])
+        if failed is not None:
+            return failed
         metrics["rewards"] += 1
         return JSONResponse({"status": "ok"})
 
@@ -150,7 +205,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
 
     @app.get("/metrics")
     async def get_metrics() -> dict:
-        return dict(metrics)
+        return {**metrics, "inflight_bytes": inflight.used, "max_inflight_bytes": inflight.max_bytes}
 
     return app
 
@@ -165,10 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kafka-bootstrap", default=s.kafka_bootstrap)
     p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
+    p.add_argument("--max-inflight-bytes", type=int, default=s.bridge_max_inflight_bytes)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
-    app = create_app(Sink(a.kafka_bootstrap, topics), a.max_body_bytes)
+    app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.max_body_bytes,
+                     auth_token=s.auth_token, max_inflight_bytes=a.max_inflight_bytes)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

@@ -20,6 +20,9 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from pydantic import SecretStr
+
+from producers.edge import bearer_headers
 
 # spanrl attribute keys (the bridge reads the same names)
 ROLLOUT_ID = "spanrl.rollout_id"
@@ -89,20 +92,24 @@ class RolloutStampProcessor(SpanProcessor):
             span.set_attribute(AGENT_NAME, state.agent_name)
 
 
-def instrument(service_name: str, bridge_url: str | None = None, set_global: bool = True) -> TracerProvider:
+def instrument(service_name: str, bridge_url: str | None = None, set_global: bool = True,
+               auth_token: SecretStr | str | None = None) -> TracerProvider:
     """Build a TracerProvider exporting to ``bridge_url + "/v1/traces"`` (default: settings).
 
     ``set_global`` also installs it as OTel's global provider (only the first call in a
     process can; later calls still return a working provider used by :func:`emit_reward`).
+    ``auth_token``: the bridge's bearer token (default: ``SPANRL_AUTH_TOKEN`` via settings).
     """
     global _provider
-    if bridge_url is None:
+    if bridge_url is None or auth_token is None:
         from infra.settings import get_settings
 
-        bridge_url = get_settings().bridge_url
+        bridge_url = bridge_url or get_settings().bridge_url
+        auth_token = auth_token or get_settings().auth_token
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(RolloutStampProcessor())
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=bridge_url.rstrip("/") + "/v1/traces")))
+    exporter = OTLPSpanExporter(endpoint=bridge_url.rstrip("/") + "/v1/traces", headers=bearer_headers(auth_token))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     if set_global:
         trace.set_tracer_provider(provider)
     _provider = provider

@@ -75,12 +75,14 @@ class Sink:
     """A lazily (re)started producer that encodes records and waits for their acks.
 
     ``produce`` raises :class:`KafkaUnavailable` when Kafka cannot be reached or does
-    not acknowledge within ``SEND_TIMEOUT_S``; callers turn that into a 503.
+    not acknowledge within ``send_timeout_s`` (default ``SEND_TIMEOUT_S``; the services
+    pass ``SPANRL_KAFKA_SEND_TIMEOUT_S``); callers turn that into a 503.
     """
 
-    def __init__(self, bootstrap: str, topics: Topics | None = None):
+    def __init__(self, bootstrap: str, topics: Topics | None = None, send_timeout_s: float = SEND_TIMEOUT_S):
         self.bootstrap = bootstrap
         self.topics = topics or Topics.from_env()
+        self.send_timeout_s = send_timeout_s
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
 
@@ -88,9 +90,9 @@ class Sink:
         async with self._lock:
             if self._producer is not None:
                 return
-            producer = make_producer(self.bootstrap)
+            producer = make_producer(self.bootstrap, request_timeout_ms=int(self.send_timeout_s * 1000))
             try:
-                await asyncio.wait_for(producer.start(), SEND_TIMEOUT_S)
+                await asyncio.wait_for(producer.start(), self.send_timeout_s)
             except (KafkaError, OSError, asyncio.TimeoutError) as exc:
                 await _quiet_stop(producer)
                 raise KafkaUnavailable(f"cannot start producer on {self.bootstrap}: {exc!r}") from exc
@@ -121,7 +123,7 @@ class Sink:
                 futures = [await self._producer.send(t.name, v, key=None if k is None else k.encode())
                            for t, k, v in items]
                 await asyncio.gather(*futures)
-            await asyncio.wait_for(_all(), SEND_TIMEOUT_S)
+            await asyncio.wait_for(_all(), self.send_timeout_s)
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:
             # an idempotent producer whose batch failed is not safe to reuse: start afresh
             producer, self._producer = self._producer, None

@@ -12,6 +12,9 @@ The policy version comes from the reloader (``POST /admin/policy_version``; at s
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
 restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
 until the reloader has reloaded vLLM and posts a version again (see :class:`PolicyState`).
+
+With ``SPANRL_AUTH_TOKEN`` set, every route but ``GET /health`` needs the bearer token
+(an OpenAI client sends its ``api_key`` as one).
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
+from producers import edge
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from schemas import codec
 
@@ -42,6 +46,53 @@ CHAT, COMPLETIONS = "chat.completions", "completions"
 
 class MissingTokenIds(ValueError):
     """vLLM's answer lacks token ids or log-probs (dead-letter reason missing_token_ids)."""
+
+
+class BadRequest(ValueError):
+    """A client request the proxy refuses: HTTP ``status`` and an OpenAI error ``reason``."""
+
+    def __init__(self, status: int, reason: str, detail: str):
+        super().__init__(detail)
+        self.status, self.reason, self.detail = status, reason, detail
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN/Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def parse_body(content_type: str | None, raw: bytes) -> dict:
+    """The JSON object of an OpenAI request body; raises :class:`BadRequest` otherwise.
+
+    415 ``unsupported_media_type`` unless Content-Type is ``application/json`` (or
+    ``application/*+json``): a browser page can send ``text/plain`` cross-site without a
+    CORS preflight, JSON it cannot. 400 ``invalid_json``: empty, not UTF-8 (RFC 8259
+    s8.1), not JSON, NaN/Infinity or numbers out of float range, lone surrogates
+    (``"\\ud800"``, which vLLM could not encode). 400 ``invalid_request``: not an object.
+    """
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise BadRequest(415, "unsupported_media_type", f"Content-Type must be application/json, got {media!r}")
+    if not raw:
+        raise BadRequest(400, "invalid_json", "empty body")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, "invalid_json", f"body is not UTF-8: {exc}") from exc
+    try:
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates from \uXXXX escapes
+    except (ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise BadRequest(400, "invalid_json", f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(400, "invalid_request", "body must be a JSON object")
+    return body
 
 
 # ---------------------------------------------------------------- pure functions
@@ -235,9 +286,11 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
 
 
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
-               timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0) -> FastAPI:
+               timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
+               auth_token: SecretStr | str | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
-    ``follow_s`` while the proxy is unsynced or has not heard from it (None: never)."""
+    ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
+    ``auth_token``: bearer token every route but ``GET /health`` requires (None: open)."""
     metrics: Counter[str] = Counter()
     seq = SequenceCounter()
     policy = PolicyState(policy_version)
@@ -275,18 +328,21 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     app.state.metrics = metrics
 
     def error(status: int, reason: str, detail: str, headers: dict | None = None) -> Response:
+        """OpenAI error shape (so the SDK shows the message); counts ``http_<status>`` and ``reason``."""
         metrics[f"http_{status}"] += 1
-        # OpenAI error shape so the SDK shows the message
+        metrics[reason] += 1
+        detail = edge.safe_detail(detail)
         return JSONResponse({"error": {"message": detail, "type": reason, "code": status}}, status, headers=headers)
+
+    edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
+    edge.install_error_handlers(app, error)
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
         metrics["requests"] += 1
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            return error(400, "invalid_json", f"body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return error(400, "invalid_request", "body must be a JSON object")
+            body = parse_body(request.headers.get("content-type"), await request.body())
+        except BadRequest as exc:
+            return error(exc.status, exc.reason, exc.detail)
         if body.get("stream"):
             return error(400, "stream_not_supported", "stream=true is not supported by the spanrl proxy yet")
         if body.get("n") not in (None, 1):
@@ -304,7 +360,6 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except httpx.TransportError as exc:
             if vllm_lost(exc) and policy.vllm_unreachable():
                 log.warning("vLLM unreachable (%r): policy version unsynced until the reloader posts one", exc)
-            metrics["vllm_unavailable"] += 1
             return error(503, "vllm_unavailable", f"vLLM at {vllm_url} unreachable: {exc!r}",
                          {"Retry-After": RETRY_AFTER_S})
         end_ns = time.time_ns()
@@ -338,10 +393,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         try:
             await sink.produce(items)
         except KafkaUnavailable as exc:
-            metrics["kafka_unavailable"] += 1
             return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         except codec.SchemaError as exc:
-            metrics["schema_error"] += 1
             return error(502, "schema_error", exc.detail)
         metrics["spans"] += 1
         return JSONResponse(strip_response(endpoint, body, response))
@@ -441,8 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
-    app = create_app(Sink(a.kafka_bootstrap, topics), a.vllm_url, a.model_name, a.policy_version,
-                     reloader_url=a.reloader_url.rstrip("/") or None)
+    app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.vllm_url,
+                     a.model_name, a.policy_version, reloader_url=a.reloader_url.rstrip("/") or None,
+                     auth_token=s.auth_token)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

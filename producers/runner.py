@@ -2,7 +2,8 @@
 
 Each attempt gets a fresh ``rollout_id`` and publishes its lifecycle on ``rollouts``
 (``started``, then ``succeeded | failed | timeout``). The agent callable receives a
-:class:`RolloutContext` whose ``base_url`` is the proxy's per-rollout OpenAI URL, and
+:class:`RolloutContext` whose ``base_url`` is the proxy's per-rollout OpenAI URL (with
+``api_key`` to use there: the proxy's bearer token when ``SPANRL_AUTH_TOKEN`` is set), and
 runs inside :func:`producers.instrument.rollout_context`, so its OTel spans are stamped.
 A task's offset is committed only after all its attempts published a terminal event.
 """
@@ -22,10 +23,12 @@ from typing import Any, Callable
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from producers import instrument
+from producers.edge import token_value
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from schemas import codec
 
 log = logging.getLogger("spanrl.runner")
+NO_API_KEY = "spanrl"  # what an OpenAI client sends when the proxy has no token (it must send something)
 
 
 @dataclass
@@ -38,6 +41,9 @@ class RolloutContext:
     attempt_id: str
     base_url: str       # OpenAI base URL through the proxy for this attempt
     rewards: list[dict] = field(default_factory=list)
+    #: the OpenAI ``api_key`` for ``base_url``: the proxy's bearer token when auth is on
+    #: (``SPANRL_AUTH_TOKEN``), else a placeholder the proxy ignores
+    api_key: str = field(default=NO_API_KEY, repr=False)
 
     def emit_reward(self, value: float, final: bool = True, name: str = "reward",
                     span_id: str | None = None, **components: float) -> None:
@@ -126,7 +132,8 @@ class Runner:
         self.proxy_url = (proxy_url or s.proxy_url).rstrip("/")
         self.topics = topics or Topics.from_env()
         self.runner_id = runner_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.sink = Sink(self.bootstrap, self.topics)
+        self.sink = Sink(self.bootstrap, self.topics, send_timeout_s=s.kafka_send_timeout_s)
+        self.api_key = token_value(s.auth_token) or NO_API_KEY
         self._slots = asyncio.Semaphore(concurrency)
         #: how long lifecycle/reward records and task commits are retried while Kafka is down
         self.kafka_deadline_s = 300.0
@@ -163,7 +170,8 @@ class Runner:
         except ValueError:
             payload = {"text": task["payload"]}
         ctx = RolloutContext(payload, task["task_id"], rollout_id, attempt_id,
-                             f"{self.proxy_url}/rollouts/{rollout_id}/attempts/{attempt_id}/v1")
+                             f"{self.proxy_url}/rollouts/{rollout_id}/attempts/{attempt_id}/v1",
+                             api_key=self.api_key)
         async with self._slots:
             started = [(self.topics.rollouts, rollout_id, self._event(ctx, "started", group_size))]
             await self._retrying(f"rollout {rollout_id} started", lambda: self.sink.produce(started))

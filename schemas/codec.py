@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import io
 import json
+import numbers
 import re
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,8 @@ RECORD_NAMES = {
 }
 #: record types another record type refers to by name (parsed first)
 _DEPENDS = {"sample": ("transition",)}
+#: Avro 1.11 spec "Primitive Types": int is 32-bit, long 64-bit signed
+_INT_RANGE = {"int": (-(2**31), 2**31 - 1), "long": (-(2**63), 2**63 - 1)}
 
 
 class SchemaError(ValueError):
@@ -95,6 +99,7 @@ class SchemaRegistry:
         if version not in versions:
             raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
         record = {**record, "schema_version": version}
+        _check_scalars(versions[version], record, record_type)
         buf = io.BytesIO()
         buf.write(_HEADER.pack(MAGIC, version))
         try:
@@ -127,6 +132,53 @@ class SchemaRegistry:
         if buf.tell() != len(body):
             raise SchemaError("schema_error", f"{record_type} v{version}: trailing bytes after record")
         return record
+
+
+def _check_scalars(avro: Any, value: Any, where: str) -> None:
+    """Raise SchemaError for a value that fastavro would write changed instead of refusing:
+    a non-bool in a boolean field (it writes the truthiness: None -> false), a fractional
+    number in an int/long field (truncated: 1.5 -> 1) or one out of the type's range, a
+    text or a mapping in an array, a non-mapping in a map field (``""`` -> empty), an int
+    array item out of range. Walks records and nullable unions; the items of arrays and
+    maps are not type-checked (cost: token id lists), so 1.5 in an int array is written 1."""
+    if isinstance(avro, list):
+        if value is None:
+            return
+        branches = [t for t in avro if t != "null"]
+        if len(branches) != 1:
+            return
+        avro = branches[0]
+    if isinstance(avro, dict):
+        if avro.get("type") == "record":
+            if isinstance(value, dict):
+                for f in avro["fields"]:
+                    if f["name"] in value:
+                        _check_scalars(f["type"], value[f["name"]], f"{where}.{f['name']}")
+            return
+        if avro.get("type") == "array":
+            if isinstance(value, (str, bytes, bytearray, Mapping)) or not hasattr(value, "__iter__"):
+                raise SchemaError("schema_error", f"{where}: array field got {type(value).__name__}")
+            if avro["items"] in _INT_RANGE and hasattr(value, "__len__") and len(value):  # min/max: C speed
+                lo, hi = _INT_RANGE[avro["items"]]
+                try:
+                    inside = bool(lo <= min(value) and max(value) <= hi)
+                except (TypeError, ValueError):  # not all numbers: fastavro refuses them itself
+                    return
+                if not inside:
+                    raise SchemaError("schema_error", f"{where}: an item is out of the {avro['items']} range")
+        if avro.get("type") == "map" and not isinstance(value, Mapping):
+            raise SchemaError("schema_error", f"{where}: map field got {type(value).__name__}")
+        avro = avro.get("type")
+    if avro == "boolean" and not isinstance(value, bool):
+        raise SchemaError("schema_error", f"{where}: boolean field got {type(value).__name__} {value!r:.40}")
+    if avro in _INT_RANGE and isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        if not float(value).is_integer():
+            raise SchemaError("schema_error", f"{where}: {avro} field got the non-integer {value!r:.40}")
+        value = int(value)
+    if avro in _INT_RANGE and isinstance(value, numbers.Integral):
+        lo, hi = _INT_RANGE[avro]
+        if not lo <= value <= hi:
+            raise SchemaError("schema_error", f"{where}: {value} out of the {avro} range")
 
 
 DEFAULT = SchemaRegistry()

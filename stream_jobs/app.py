@@ -156,6 +156,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         processing_guarantee="exactly_once",
         store="memory://",  # state recovers from the changelog topics
         web_host=cfg.web_host,
+        web_bind=cfg.web_host,  # Faust binds 0.0.0.0 unless told; everything stays on loopback
         web_port=cfg.web_port,
         topic_allow_declare=True,  # Faust declares only its internal topics (changelogs, ticks)
         topic_disable_leader=True,

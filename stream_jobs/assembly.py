@@ -21,7 +21,9 @@ any order. An attempt ends, exactly once, in one of:
   since an evaluator may score a failed run (e.g. R=0) and the reward topic is not
   ordered with the rollouts topic.
 - **timeout**: no terminal lifecycle event within ``rollout_timeout_s`` of the
-  attempt's last input -> dead letter ``rollout_timeout``.
+  attempt's last input -> dead letter ``rollout_timeout``; ``unknown_rollout`` when the
+  attempt never had a lifecycle event nor a selected call (e.g. a reward for a rollout
+  id no runner announced: a typo, or an evaluator scoring another run's rollout).
 
 Selected calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source ==
 "proxy"``) or carrying token data (``llm`` set), of the trained agents when ``agents`` is
@@ -209,6 +211,9 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
 
     if a["status"] not in TERMINAL:
         if now_ms - a["last_ms"] >= config.rollout_timeout_s * 1000:
+            if a["task_id"] is None and a["status"] is None and not a["calls"]:
+                return dead(dl.UNKNOWN_ROLLOUT, f"no lifecycle event and no llm call within "
+                            f"{config.rollout_timeout_s:g}s; {len(a['rewards'])} rewards dropped")
             return dead(dl.ROLLOUT_TIMEOUT, f"no terminal lifecycle event within "
                         f"{config.rollout_timeout_s:g}s; {len(a['calls'])} llm calls dropped")
         return out

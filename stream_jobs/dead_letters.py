@@ -14,6 +14,7 @@ NO_LLM_CALLS = "no_llm_calls"                  # ended rollout with a reward but
 NO_REWARD_BEFORE_TIMEOUT = "no_reward_before_timeout"   # succeeded, no final reward in time
 ROLLOUT_FAILED_NO_REWARD = "rollout_failed_no_reward"   # failed/timeout, no final reward in time
 ROLLOUT_TIMEOUT = "rollout_timeout"            # no terminal lifecycle event in time
+UNKNOWN_ROLLOUT = "unknown_rollout"            # timed out having seen no lifecycle event and no llm call
 LATE_SPAN = "late_span"                        # llm call of an attempt already emitted/dead-lettered
 LATE_REWARD = "late_reward"                    # reward for an attempt already emitted/dead-lettered
 # --- grouper (stage "grouper") ---

@@ -346,8 +346,10 @@ async def vllm_healthy(vllm_url: str, timeout_s: float = 5.0) -> bool:
 async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
     """``POST {proxy}/admin/policy_unsynced {"reason"}``: the proxy answers 503
     policy_unsynced until a version is posted again (unreachable proxy = warning)."""
+    from producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
             r = await client.post(f"{proxy_url}/admin/policy_unsynced", json={"reason": reason})
             if r.status_code >= 400:
                 log.warning("proxy refused policy_unsynced: %s %s", r.status_code, r.text[:200])
@@ -356,8 +358,10 @@ async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
 
 
 async def notify_proxy(proxy_url: str, version: int, uri: str) -> None:
+    from producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
             r = await client.post(f"{proxy_url}/admin/policy_version", json={"version": version, "checkpoint": uri})
             if r.status_code >= 400:
                 log.warning("proxy refused policy version %d: %s %s", version, r.status_code, r.text[:200])

@@ -174,16 +174,17 @@ def _run_sync(coro: Any) -> Any:
 
 async def math_agent_async(ctx: Any) -> dict:
     """Async form of :func:`math_agent`."""
-    result = await run_episode(ctx.task, ctx.base_url)
+    result = await run_episode(ctx.task, ctx.base_url, api_key=ctx.api_key)
     ctx.emit_reward(result["reward"], final=True, **result["components"])
     return result
 
 
 def math_agent(ctx: Any) -> dict:
     """spanrl runner callable: ``ctx.task`` is the task dict, ``ctx.base_url`` the
-    per-rollout OpenAI base URL. Emits the final reward (with its components) itself and
-    returns the episode dict (not a float, so the runner does not emit it a second time)."""
-    result = _run_sync(run_episode(ctx.task, ctx.base_url))
+    per-rollout OpenAI base URL, ``ctx.api_key`` the proxy's bearer token (or a placeholder).
+    Emits the final reward (with its components) itself and returns the episode dict (not
+    a float, so the runner does not emit it a second time)."""
+    result = _run_sync(run_episode(ctx.task, ctx.base_url, api_key=ctx.api_key))
     ctx.emit_reward(result["reward"], final=True, **result["components"])
     return result
 

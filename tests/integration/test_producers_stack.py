@@ -2,6 +2,8 @@
 
 Bridge and proxy run as subprocesses (``python -m producers.bridge|proxy``) on free
 ports, writing to unique ``prtest-<id>-*`` topics created from ``Topic.config()``.
+Fixtures start only the stack components a test needs (``infra.stack.Stack.start``, as
+``make demo`` does): ``kafka_stack`` needs Kafka, ``stack`` Kafka and vLLM.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import asyncio
 import gzip
 import json
 import math
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -27,8 +31,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from infra.settings import get_settings
+from infra.stack import Stack
 from producers import instrument as inst
 from producers.kafka import Topics, create_topics, delete_topics
+from producers.otlp import convert_request, decode_request
 from producers.runner import Runner, publish_tasks
 from schemas import codec
 
@@ -43,11 +49,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_service(module: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start_service(module: str, *args: str, env: dict | None = None, output: Path | None = None,
+                  timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
+    """``python -m module --port P *args`` with ``env`` added; stdout+stderr to ``output``."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT)
+    out = open(output, "wb") if output else None
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT,
+                            env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT if out else None)
+    if out:
+        out.close()  # the child holds its own descriptor
     url = f"http://{S.host}:{port}"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{module} exited with {proc.returncode}")
@@ -70,21 +82,43 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(stack):  # the running local stack (tests/conftest.py), plus this module's topics
+def topics():
+    """This module's ``prtest-<id>-*`` topics on the stack's Kafka (started if it is not)."""
+    Stack(S).start("kafka")
     prefix = f"prtest-{uuid.uuid4().hex[:8]}-"
-    topics = Topics.with_prefix(prefix)
-    asyncio.run(create_topics(S.kafka_bootstrap, topics.all()))
+    t = Topics.with_prefix(prefix)
+    asyncio.run(create_topics(S.kafka_bootstrap, t.all()))
+    try:
+        yield t
+    finally:
+        asyncio.run(_cleanup(prefix))
+
+
+def _prefix(topics: Topics) -> str:
+    return topics.spans.name.removesuffix("spans")
+
+
+@pytest.fixture(scope="module")
+def kafka_stack(topics):
+    """Bridge and proxy on this module's topics; enough for everything vLLM is not asked for."""
     procs = []
     try:
-        bridge, bridge_url = start_service("producers.bridge", "--topic-prefix", prefix, "--max-body-bytes", "100000")
+        bridge, bridge_url = start_service("producers.bridge", "--topic-prefix", _prefix(topics),
+                                           "--max-body-bytes", "100000")
         procs.append(bridge)
-        proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", prefix)
+        proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(topics))
         procs.append(proxy)
         yield {"topics": topics, "bridge": bridge_url, "proxy": proxy_url}
     finally:
         for p in procs:
             stop(p)
-        asyncio.run(_cleanup(prefix))
+
+
+@pytest.fixture(scope="module")
+def stack(kafka_stack):
+    """``kafka_stack`` with vLLM behind the proxy (started if it is not)."""
+    Stack(S).start("vllm")
+    return kafka_stack
 
 
 async def _cleanup(prefix: str) -> None:
@@ -126,9 +160,9 @@ def of_rollout(records, rid):
 
 
 # --------------------------------------------------------------------- bridge
-def test_otel_spans_and_reward_reach_kafka(stack):
-    topics = stack["topics"]
-    provider = inst.instrument("itest-agent", stack["bridge"], set_global=False)
+def test_otel_spans_and_reward_reach_kafka(kafka_stack):
+    topics = kafka_stack["topics"]
+    provider = inst.instrument("itest-agent", kafka_stack["bridge"], set_global=False)
     tracer = provider.get_tracer("itest")
     rid = uuid.uuid4().hex
     with inst.rollout_context(rid, "0", agent_name="solver"):
@@ -151,7 +185,7 @@ def test_otel_spans_and_reward_reach_kafka(stack):
     assert key == rid and (reward["value"], reward["final"], reward["components"]) == (0.8, True, {"format": 1.0})
     dead = read_topic(topics.dead_letter, lambda rs: any(r["reason"] == "no_rollout_id" for _, r in rs), 5)
     assert any(r["reason"] == "no_rollout_id" and r["stage"] == "bridge" for _, r in dead)
-    metrics = httpx.get(stack["bridge"] + "/metrics").json()
+    metrics = httpx.get(kafka_stack["bridge"] + "/metrics").json()
     assert metrics["spans"] >= 2 and metrics["dead_letter.no_rollout_id"] >= 1
 
 
@@ -164,31 +198,50 @@ def _otlp_body(attrs: dict) -> bytes:
     return req.SerializeToString()
 
 
-def test_bridge_rejects_bad_input(stack):
-    url = stack["bridge"] + "/v1/traces"
+def test_bridge_rejects_bad_input(kafka_stack):
+    bridge, topics = kafka_stack["bridge"], kafka_stack["topics"]
+    url = bridge + "/v1/traces"
     pb = {"content-type": "application/x-protobuf"}
+    before = httpx.get(bridge + "/metrics").json()
     assert httpx.post(url, content=b"{}", headers={"content-type": "application/json"}).status_code == 415
     assert httpx.post(url, content=b"", headers=pb).status_code == 400
     assert httpx.post(url, content=b"\xff\x01garbage", headers=pb).status_code == 400
     assert httpx.post(url, content=b"\0" * 200_000, headers=pb).status_code == 413
-    rid = uuid.uuid4().hex
-    r = httpx.post(url, content=gzip.compress(_otlp_body({"spanrl.rollout_id": rid, "spanrl.reward.value": math.nan})),
-                   headers={**pb, "content-encoding": "gzip"})
-    assert r.status_code == 200
-    resp = ExportTraceServiceResponse.FromString(r.content)
-    assert resp.partial_success.rejected_spans == 1 and "invalid_reward" in resp.partial_success.error_message
-    dead = read_topic(stack["topics"].dead_letter, lambda rs: bool(of_rollout(rs, rid)), 5)
-    [(key, d)] = [(k, d) for k, d in dead if d["rollout_id"] == rid]
-    assert (key, d["reason"], d["stage"]) == (rid, "invalid_reward", "bridge")
+    # invalid UTF-8 in a string field: protobuf refuses the request (proto3 strings are UTF-8)
+    bad_utf8 = _otlp_body({"spanrl.rollout_id": "RID-PLACEHOLDER"}).replace(b"RID-PLACEHOLDER", b"RID-\xff\xfePLACEHOLD")
+    r = httpx.post(url, content=bad_utf8, headers=pb)
+    assert (r.status_code, r.json()["error"]) == (400, "invalid_otlp")
 
-    rurl = stack["bridge"] + "/v1/rewards"
+    rid, inf_rid = uuid.uuid4().hex, uuid.uuid4().hex
+    for rollout, value in [(rid, math.nan), (inf_rid, math.inf)]:
+        r = httpx.post(url, content=gzip.compress(_otlp_body({"spanrl.rollout_id": rollout, "spanrl.reward.value": value})),
+                       headers={**pb, "content-encoding": "gzip"})
+        assert r.status_code == 200
+        resp = ExportTraceServiceResponse.FromString(r.content)
+        assert resp.partial_success.rejected_spans == 1 and "invalid_reward" in resp.partial_success.error_message
+    dead = read_topic(topics.dead_letter, lambda rs: bool(of_rollout(rs, rid)) and bool(of_rollout(rs, inf_rid)), 5)
+    for rollout, value in [(rid, "nan"), (inf_rid, "inf")]:
+        [(key, d)] = [(k, d) for k, d in dead if d["rollout_id"] == rollout]
+        assert (key, d["reason"], d["stage"]) == (rollout, "invalid_reward", "bridge")
+        assert value in d["detail"] and d["payload"]  # the protobuf span, for a look later
+
+    rurl = bridge + "/v1/rewards"
+    js = {"content-type": "application/json"}
     assert httpx.post(rurl, json={"attempt_id": "0", "value": 1.0}).status_code == 422
-    assert httpx.post(rurl, content=b'{"rollout_id": "x", "value": NaN}',
-                      headers={"content-type": "application/json"}).status_code == 400
+    for body in (b'{"rollout_id": "x", "value": NaN}', b'{"rollout_id": "x", "value": Infinity}',
+                 b'{"rollout_id": "x", "value": -1e999}', b'{"rollout_id": "x", "value": 1, "components": {"c": Infinity}}'):
+        r = httpx.post(rurl, content=body, headers=js)
+        assert (r.status_code, r.json()["error"]) == (400, "invalid_reward"), body
     assert httpx.post(rurl, json={"rollout_id": rid, "attempt_id": "0", "value": 0.25, "final": True,
                                   "name": "judge"}).status_code == 200
-    rewards = read_topic(stack["topics"].rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
+    rewards = read_topic(topics.rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
     assert [(r["value"], r["name"]) for r in of_rollout(rewards, rid)] == [(0.25, "judge")]
+    after = httpx.get(bridge + "/metrics").json()
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in (
+        "unsupported_media_type", "invalid_otlp", "body_too_large", "dead_letter.invalid_reward",
+        "invalid_reward", "invalid_request", "rewards")}
+    assert grew == {"unsupported_media_type": 1, "invalid_otlp": 3, "body_too_large": 1, "dead_letter.invalid_reward": 2,
+                    "invalid_reward": 4, "invalid_request": 1, "rewards": 1}
 
 
 def test_bridge_kafka_down_is_503():
@@ -199,6 +252,146 @@ def test_bridge_kafka_down_is_503():
         assert r.status_code == 503 and r.headers["retry-after"]
     finally:
         stop(proc)
+
+
+def test_bridge_bounds_records_waiting_for_acks(tmp_path):
+    """A Kafka that takes connections but never answers: the first requests wait the send
+    timeout and get 503 kafka_unavailable; those that would overfill the in-flight bound get
+    503 buffer_full at once; nothing is answered 2xx."""
+    timeout_s = 2.0
+    body = _otlp_body({"spanrl.rollout_id": "bp", "spanrl.reward.value": 1.0})
+    size = sum(len(codec.encode(t, c.span if t == "span" else c.reward)) + len("bp")
+               for c in convert_request(decode_request(body)) for t in ("span", "reward"))
+    with socket.socket() as silent:  # listens, never accepts: connects succeed, requests hang
+        silent.bind((S.host, 0))
+        silent.listen(128)
+        proc, url = start_service("producers.bridge", "--kafka-bootstrap", f"{S.host}:{silent.getsockname()[1]}",
+                                  "--max-inflight-bytes", str(2 * size + size // 2),
+                                  env={"SPANRL_KAFKA_SEND_TIMEOUT_S": str(timeout_s)})
+        try:
+            async def one(client):
+                t0 = time.monotonic()
+                r = await client.post(url + "/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+                return r.status_code, r.json()["error"], r.headers.get("retry-after"), time.monotonic() - t0
+
+            async def go():
+                async with httpx.AsyncClient(timeout=30) as client:
+                    calls = [asyncio.create_task(one(client)) for _ in range(6)]
+                    await asyncio.sleep(timeout_s / 2)
+                    waiting = (await client.get(url + "/metrics")).json()
+                    return await asyncio.gather(*calls), waiting
+
+            answers, waiting = asyncio.run(go())
+            metrics = httpx.get(url + "/metrics").json()
+        finally:
+            stop(proc)
+    full = [a for a in answers if a[1] == "buffer_full"]
+    unavailable = [a for a in answers if a[1] == "kafka_unavailable"]
+    assert (len(full), len(unavailable)) == (4, 2)
+    assert all(status == 503 and retry == "1" and took < timeout_s / 2 for status, _, retry, took in full)
+    assert all(status == 503 and retry and took >= timeout_s * 0.9 for status, _, retry, took in unavailable)
+    assert waiting["inflight_bytes"] == 2 * size and waiting["max_inflight_bytes"] == 2 * size + size // 2
+    assert (metrics["buffer_full"], metrics["kafka_unavailable"], metrics["inflight_bytes"]) == (4, 2, 0)
+    assert "spans" not in metrics
+
+
+def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
+    """With SPANRL_AUTH_TOKEN set: no or a wrong token -> 401, the right one -> through; the
+    token never shows in what the services print. (vLLM is not needed: a proxy call that got
+    past auth answers 503 vllm_unavailable.)"""
+    token = "itest-" + secrets.token_urlsafe(24)
+    env = {"SPANRL_AUTH_TOKEN": token}
+    logs = {name: tmp_path / f"{name}.log" for name in ("bridge", "proxy")}
+    bridge, bridge_url = start_service("producers.bridge", "--topic-prefix", _prefix(topics), env=env,
+                                       output=logs["bridge"])
+    proxy = None
+    try:
+        proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(topics),
+                                         "--vllm-url", "http://127.0.0.1:1", env=env, output=logs["proxy"])
+        rid = uuid.uuid4().hex
+        body = _otlp_body({"spanrl.rollout_id": rid, "spanrl.reward.value": 0.5})
+        pb = {"content-type": "application/x-protobuf"}
+        good, wrong = {"Authorization": f"Bearer {token}"}, {"Authorization": f"Bearer {token}x"}
+        for url in (bridge_url, proxy_url):
+            assert httpx.get(url + "/health").status_code == 200  # open: liveness probes carry no secret
+            for headers, reason in [({}, "missing_token"), (wrong, "invalid_token")]:
+                r = httpx.get(url + "/metrics", headers=headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+                assert reason in r.text and token not in r.text
+
+        # bridge: OTLP through the SDK exporter with and without the token
+        for t, ok in [(None, False), (token + "x", False), (token, True)]:
+            provider = inst.instrument("itest-auth", bridge_url, set_global=False, auth_token=t)
+            with inst.rollout_context(rid, "0"):
+                with provider.get_tracer("itest").start_as_current_span(f"tool.auth-{ok}"):
+                    pass
+            assert provider.force_flush(10_000) is True
+            provider.shutdown()
+        assert httpx.post(bridge_url + "/v1/traces", content=body, headers={**pb, **wrong}).status_code == 401
+        r = httpx.post(bridge_url + "/v1/traces", content=body, headers={**pb, **good})
+        assert r.status_code == 200
+        spans = read_topic(topics.spans, lambda rs: len(of_rollout(rs, rid)) >= 2, 10)
+        assert sorted(s["name"] for s in of_rollout(spans, rid)) == ["spanrl.reward", "tool.auth-True"]
+        rewards = read_topic(topics.rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
+        assert [r["value"] for r in of_rollout(rewards, rid)] == [0.5]
+        bm = httpx.get(bridge_url + "/metrics", headers=good).json()
+        assert (bm["spans"], bm["http_401"], bm["missing_token"], bm["invalid_token"]) == (2, 5, 2, 3)
+
+        # proxy: the OpenAI SDK sends api_key as the bearer token
+        base = f"{proxy_url}/rollouts/{rid}/attempts/0/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key=token + "x", max_retries=0).models.list()
+        with pytest.raises(openai.InternalServerError) as past_auth:
+            openai.OpenAI(base_url=base, api_key=token, max_retries=0).chat.completions.create(
+                model=S.model_name, messages=[{"role": "user", "content": "x"}])
+        assert past_auth.value.status_code == 503 and "vllm_unavailable" in str(past_auth.value.body)
+        assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}).status_code == 401
+        assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}, headers=good).json()["version"] == 3
+        pm = httpx.get(proxy_url + "/metrics", headers=good).json()
+        assert (pm["http_401"], pm["vllm_unavailable"], pm["policy_version"]) == (4, 1, 3)
+    finally:
+        for p in (bridge, proxy):
+            if p is not None:
+                stop(p)
+    for name, path in logs.items():
+        printed = path.read_text(errors="replace")
+        assert token not in printed, f"{name} printed the token"
+
+
+def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path, monkeypatch):
+    """The runner hands the agent the token as ``ctx.api_key``; the call is recorded; the
+    reloader's policy-version update carries the token too."""
+    from infra.settings import Settings
+    from trainer import reloader
+
+    token = "itest-" + secrets.token_urlsafe(24)
+    settings = Settings(auth_token=token)
+    own = Topics.with_prefix(_prefix(stack["topics"]) + "tok-")  # its rollouts stay out of the runner tests'
+    asyncio.run(create_topics(S.kafka_bootstrap, own.all()))
+    log = tmp_path / "proxy.log"
+    proc, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(own),
+                                    env={"SPANRL_AUTH_TOKEN": token}, output=log)
+    try:
+        monkeypatch.setattr(reloader, "get_settings", lambda: settings)
+        asyncio.run(reloader.notify_proxy(proxy_url, 5, "s3://b/run/5/"))
+        assert httpx.get(proxy_url + "/admin/policy_version",
+                         headers={"Authorization": f"Bearer {token}"}).json()["version"] == 5
+
+        async def agent(ctx):
+            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                await client.chat.completions.create(model=S.model_name, max_tokens=3,
+                                                     messages=[{"role": "user", "content": "hi"}])
+            return 1.0
+
+        runner = Runner(agent, proxy_url=proxy_url, topics=own, settings=settings)
+        [[result]] = asyncio.run(runner.run_tasks([{"payload": "{}", "group_size": 1}]))
+    finally:
+        stop(proc)
+    assert (result.status, result.error) == ("succeeded", None)
+    spans = read_topic(own.spans, lambda rs: bool(of_rollout(rs, result.rollout_id)), 10)
+    [span] = of_rollout(spans, result.rollout_id)
+    assert (span["source"], span["llm"]["policy_version"]) == ("proxy", 5)
+    assert token not in log.read_text(errors="replace")
 
 
 # --------------------------------------------------------------------- proxy
@@ -242,9 +435,11 @@ def test_proxy_records_exact_tokens(stack):
     assert spans[2]["name"] == "completions" and spans[2]["llm"]["policy_version"] == 7
 
 
-def test_proxy_rejects_bad_input(stack):
-    base = f"{stack['proxy']}/rollouts/r/attempts/0/v1/chat/completions"
+def test_proxy_rejects_bad_input(kafka_stack):
+    proxy = kafka_stack["proxy"]
+    base = f"{proxy}/rollouts/r/attempts/0/v1/chat/completions"
     msg = [{"role": "user", "content": "x"}]
+    before = httpx.get(proxy + "/metrics").json()
     cases = [
         ({"model": S.model_name, "messages": msg, "stream": True}, 400, "stream_not_supported"),
         ({"model": S.model_name, "messages": msg, "n": 2}, 400, "n_not_supported"),
@@ -253,12 +448,29 @@ def test_proxy_rejects_bad_input(stack):
     for body, status, reason in cases:
         r = httpx.post(base, json=body)
         assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
-    assert httpx.post(base, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    js = {"content-type": "application/json"}
+    raw_cases = [
+        (b"{not json", js, 400, "invalid_json"),
+        (b"", js, 400, "invalid_json"),                                             # empty body
+        (b'{"model": "\xff\xfe", "messages": []}', js, 400, "invalid_json"),        # not UTF-8
+        (b'{"model": "policy", "messages": [], "temperature": NaN}', js, 400, "invalid_json"),
+        (json.dumps({"model": S.model_name, "messages": msg}).encode(), {"content-type": "text/plain"},
+         415, "unsupported_media_type"),                                           # JSON, but sent as text
+        (json.dumps({"model": S.model_name, "messages": msg}).encode(), {}, 415, "unsupported_media_type"),
+    ]
+    for raw, headers, status, reason in raw_cases:
+        r = httpx.post(base, content=raw, headers=headers)
+        assert (r.status_code, r.json()["error"]["type"]) == (status, reason), raw
+    after = httpx.get(proxy + "/metrics").json()
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in (
+        "requests", "http_400", "http_404", "http_415", "invalid_json", "unsupported_media_type", "spans")}
+    assert grew == {"requests": 9, "http_400": 6, "http_404": 1, "http_415": 2, "invalid_json": 4,
+                    "unsupported_media_type": 2, "spans": 0}
 
 
-def test_proxy_vllm_down_is_503(stack):
+def test_proxy_vllm_down_is_503(kafka_stack):
     proc, url = start_service("producers.proxy", "--vllm-url", "http://127.0.0.1:1",
-                              "--topic-prefix", stack["topics"].spans.name.removesuffix("spans"))
+                              "--topic-prefix", _prefix(kafka_stack["topics"]))
     try:
         assert httpx.get(url + "/health").json()["vllm"] is False
         r = httpx.post(url + "/rollouts/r/attempts/0/v1/chat/completions",

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from producers.proxy import (
-    CHAT, COMPLETIONS, MissingTokenIds, SequenceCounter, llm_call_from_response, parse_traceparent,
+    CHAT, COMPLETIONS, BadRequest, MissingTokenIds, SequenceCounter, llm_call_from_response, parse_body,
+    parse_traceparent,
     strip_response, upstream_body,
 )
 from schemas import codec
@@ -94,3 +95,57 @@ def test_traceparent():
     assert parse_traceparent(f"00-{tid}-{sid}-01") == (tid, sid)
     for bad in [None, "", "junk", f"00-{'0' * 32}-{sid}-01", f"00-{tid}-zzzzzzzzzzzzzzzz-01"]:
         assert parse_traceparent(bad) is None
+
+
+JSON = "application/json"
+
+
+@pytest.mark.parametrize("ctype,raw,status,reason", [
+    (None, b'{"model": "policy"}', 415, "unsupported_media_type"),
+    ("text/plain", b'{"model": "policy"}', 415, "unsupported_media_type"),  # a cross-site form could send it
+    ("application/x-www-form-urlencoded", b"model=policy", 415, "unsupported_media_type"),
+    (JSON, b"", 400, "invalid_json"),
+    (JSON, b'{"model": "p\xff\xfe"}', 400, "invalid_json"),            # not UTF-8
+    (JSON, b"\xef\xbb\xbf{}", 400, "invalid_json"),                   # BOM (RFC 8259 s8.1: MUST NOT)
+    (JSON, b'{"model": "policy"', 400, "invalid_json"),
+    (JSON, b'{"temperature": NaN}', 400, "invalid_json"),
+    (JSON, b'{"temperature": -Infinity}', 400, "invalid_json"),
+    (JSON, b'{"temperature": 1e999}', 400, "invalid_json"),           # overflows to inf
+    (JSON, b'{"messages": [{"content": "\\ud800"}]}', 400, "invalid_json"),  # lone surrogate
+    (JSON, b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),    # nesting past the recursion limit
+    (JSON, b'[{"model": "policy"}]', 400, "invalid_request"),
+])
+def test_parse_body_refuses(ctype, raw, status, reason):
+    with pytest.raises(BadRequest) as err:
+        parse_body(ctype, raw)
+    assert (err.value.status, err.value.reason) == (status, reason)
+
+
+def test_parse_body_accepts_json_objects():
+    body = {"model": "policy", "messages": [{"role": "user", "content": "é \ud83d\ude00"}], "temperature": 0.5}
+    raw = json.dumps(body).encode()  # \ud83d\ude00 escapes: a valid surrogate pair
+    assert parse_body(JSON, raw) == {**body, "messages": [{"role": "user", "content": "é 😀"}]}
+    assert parse_body("Application/JSON; charset=utf-8", b'{"n": 1}') == {"n": 1}
+    assert parse_body("application/vnd.api+json", b"{}") == {}
+
+
+def test_proxy_bad_input_is_counted():
+    """Bad bodies are answered before vLLM or Kafka (both unreachable here) and counted."""
+    from fastapi.testclient import TestClient
+
+    from producers.kafka import Sink, Topics
+    from producers.proxy import create_app
+
+    app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
+    url = "/rollouts/r/attempts/0/v1/chat/completions"
+    with TestClient(app) as client:
+        for ctype, raw in [("text/plain", b'{"model": "policy", "messages": []}'), (JSON, b""),
+                           (JSON, b'{"model": "\xff"}'), (JSON, b'{"temperature": Infinity}')]:
+            r = client.post(url, content=raw, headers={"content-type": ctype})
+            assert r.status_code in (400, 415) and r.json()["error"]["code"] == r.status_code
+        assert client.post("/admin/policy_version", json={"version": "x"}).status_code == 422
+        m = client.get("/metrics").json()
+    assert {k: m.get(k) for k in ("requests", "http_400", "http_415", "http_422", "invalid_json",
+                                  "unsupported_media_type", "invalid_request", "spans")} == {
+        "requests": 4, "http_400": 3, "http_415": 1, "http_422": 1, "invalid_json": 3,
+        "unsupported_media_type": 1, "invalid_request": 1, "spans": None}

@@ -106,3 +106,28 @@ def test_old_data_reads_with_a_newer_schema(tmp_path):
     back = new_registry.decode("reward", old)
     assert back["evaluator"] == "unknown" and back["value"] == 0.9 and back["schema_version"] == 1
     assert new_registry.decode("reward", new_registry.encode("reward", {**RECORDS["reward"], "evaluator": "e"}))["evaluator"] == "e"
+
+
+@pytest.mark.parametrize("record_type,field,value,detail", [
+    ("reward", "final", None, "reward.final: boolean field got NoneType None"),      # fastavro: false
+    ("reward", "final", "no", "reward.final: boolean field got str 'no'"),           # fastavro: true
+    ("transition", "group_size", 2.5, "transition.group_size: int field got the non-integer 2.5"),  # 2
+    ("transition", "group_size", 2**31, "transition.group_size: 2147483648 out of the int range"),
+    ("transition", "sequence_id", -(2**63) - 1, "transition.sequence_id: -9223372036854775809 out of the long range"),
+    ("transition", "prompt_token_ids", [1, 2**31], "transition.prompt_token_ids: an item is out of the int range"),
+    ("transition", "prompt_token_ids", "", "transition.prompt_token_ids: array field got str"),  # fastavro: []
+    ("reward", "components", [], "reward.components: map field got list"),                    # fastavro: {}
+])
+def test_encode_refuses_what_fastavro_would_write_changed(record_type, field, value, detail):
+    base = TRANSITION if record_type == "transition" else RECORDS[record_type]
+    with pytest.raises(SchemaError) as err:
+        encode(record_type, {**base, field: value})
+    assert (err.value.reason, err.value.detail) == ("schema_error", detail)
+
+
+def test_encode_takes_integral_numbers_of_other_types():
+    import numpy as np
+
+    rec = {**TRANSITION, "group_size": np.int64(4), "call_index": 1.0, "prompt_token_ids": np.array([7, 8])}
+    back = decode("transition", encode("transition", rec))
+    assert (back["group_size"], back["call_index"], back["prompt_token_ids"]) == (4, 1, [7, 8])

@@ -158,3 +158,20 @@ def test_state_is_json():
     import json
     _, state, _ = run([(0, "span", span("a", 1)), (0, "life", lifecycle("succeeded"))], until_s=1)
     assert json.loads(json.dumps(state)) == state
+
+def test_reward_for_a_rollout_never_seen_is_unknown_rollout():
+    out, state, _ = run([(5, "reward", reward(1.0))], until_s=104.999)
+    assert out.dead_letters == []
+    out, state, store = run([(5, "reward", reward(1.0))], until_s=105)
+    assert out.transitions == [] and store == {}
+    assert out.dead_letters == [{
+        "schema_version": 1, "reason": "unknown_rollout", "stage": "assembler",
+        "detail": "attempt a0: no lifecycle event and no llm call within 100s; 1 rewards dropped",
+        "source_topic": None, "source_partition": None, "source_offset": None,
+        "rollout_id": "r1", "task_id": None, "payload": None, "timestamp_ms": 105 * S}]
+    assert state["attempts"]["a0"]["done"] == "dead_letter"
+    # a lifecycle event, or a call alone, makes it a known rollout that timed out
+    out, _, _ = run([(0, "life", lifecycle("started")), (5, "reward", reward(1.0))], until_s=105)
+    assert [d["reason"] for d in out.dead_letters] == ["rollout_timeout"]
+    out, _, _ = run([(0, "span", span("a", 1)), (5, "reward", reward(1.0))], until_s=105)
+    assert [(d["reason"], d["task_id"]) for d in out.dead_letters] == [("rollout_timeout", None)]
