@@ -282,6 +282,11 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
     else:
         kill_component(stack, component)
     time.sleep(cfg.down_s.get(fault, cfg.default_down_s))
+    if component == "minio":  # stay down until a checkpoint upload met the outage (or 120 s)
+        retries0, until = trainer_status(s).get("retries", 0), time.monotonic() + 120
+        while trainer_status(s).get("retries", 0) == retries0 and time.monotonic() < until:
+            time.sleep(1)
+        say(f"{fault}: trainer retried {trainer_status(s).get('retries', 0) - retries0} MinIO operations")
     if component == "runner":
         runner.start()
     else:
