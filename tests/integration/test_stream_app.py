@@ -164,8 +164,9 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
            "SPANRL_REWARD_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "60"}
     log = open(tmp_path / "worker.log", "wb")
+    # cwd: Faust writes <app_id>-data into the working directory
     proc = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         got, counters, returns = asyncio.run(_run(names, web_port, proc, time.monotonic() + 80))
@@ -233,9 +234,10 @@ def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **ext
            "SPANRL_SPANS_TOPIC": names["spans"], "SPANRL_REWARDS_TOPIC": names["rewards"],
            "SPANRL_ROLLOUTS_TOPIC": names["rollouts"], "SPANRL_TRANSITIONS_TOPIC": names["transitions"],
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
-           "SPANRL_SETTLE_S": "1", **extra}
+           "SPANRL_SETTLE_S": "1", "PYTHONPATH": str(REPO), **extra}
+    # cwd: Faust writes <app_id>-data into the working directory
     return subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
-                            cwd=REPO, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+                            cwd=log_path.parent, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
