@@ -251,7 +251,8 @@ class SpanrlSide:
             out["peak_rss_mib"] = {k: proc_peak_rss_mb(p) for k, p in self.pids().items()}
             self.stop()
             await self.delete_topics()
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            if not self.a.keep_logs:
+                shutil.rmtree(self.workdir, ignore_errors=True)
         return out
 
     def _profile(self, profile_dir: Path, r: int) -> list[subprocess.Popen]:
@@ -283,6 +284,7 @@ class SpanrlSide:
         await producer.flush()
         pids = self.pids()
         cpu0 = {k: proc_cpu_s(p) for k, p in pids.items()}
+        dead0 = self.dead_letters()
         t0 = time.perf_counter()
         for b in range(0, n, self.a.batch_rollouts):
             await self._send_rollouts(producer, exp, rids[b:b + self.a.batch_rollouts], work)
@@ -293,7 +295,13 @@ class SpanrlSide:
         trans = sum(len(self.seen.get(r_, ())) for r_ in rids)
         return {"spans": spans, "transitions": trans, "ingest_s": t_in - t0, "e2e_s": t_done - t0,
                 "spans_per_s": spans / (t_in - t0), "transitions_per_s": trans / (t_done - t0), "expected_transitions": n * shape.llm_calls,
-                "cpu_s": cpu, "cpu_s_total": sum(cpu.values())}
+                "cpu_s": cpu, "cpu_s_total": sum(cpu.values()),
+                "dead_letters": {k: v - dead0.get(k, 0) for k, v in self.dead_letters().items() if v != dead0.get(k, 0)}}
+
+    def dead_letters(self) -> dict[str, int]:
+        """The worker's dead letters so far, by reason (its /spanrl/counters/ page)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/spanrl/counters/", timeout=5) as r:
+            return json.loads(r.read())["dead_letters_out"]
 
     async def _latency(self, producer, exp) -> dict:
         n, rate, shape = self.a.latency_rollouts, self.a.latency_rate, self.shape
@@ -450,6 +458,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile-s", type=int, default=8)
     p.add_argument("--py-spy", default=str(Path.home() / ".cache/spanrl/bench/tools-venv/bin/py-spy"))
     p.add_argument("--out", default=str(RESULTS / "latest.json"))
+    p.add_argument("--keep-logs", action="store_true", help="keep the bridge and worker logs (bench/results/tmp/<id>)")
     a = p.parse_args(argv)
     shape = Shape()
     RESULTS.mkdir(parents=True, exist_ok=True)

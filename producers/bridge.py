@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from pydantic import BaseModel, Field, SecretStr
 
-from producers import edge
+from producers import claims, edge
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from producers.otlp import Converted, OtlpError, convert_request, decode_request
 from schemas import codec
@@ -87,11 +87,19 @@ def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
 
 
 def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: SecretStr | str | None = None,
-               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT) -> FastAPI:
-    """The bridge app writing through ``sink``; ``auth_token`` (None: open) see producers/edge.py."""
+               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT, claim_client=None,
+               payload_bucket: str | None = None) -> FastAPI:
+    """The bridge app writing through ``sink``; ``auth_token`` (None: open) see producers/edge.py.
+    ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
+    (producers/claims.py); default: MinIO and bucket of the settings."""
     metrics: Counter[str] = Counter()
     topics: Topics = sink.topics
     inflight = InflightBuffer(max_inflight_bytes)
+    if payload_bucket is None:
+        from infra.settings import get_settings
+
+        payload_bucket = get_settings().payload_bucket
+    claim_client = claim_client or claims.make_client()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -156,9 +164,17 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             if c.span is not None:
                 try:
                     value = codec.encode(topics.spans.record, c.span)
-                    if len(value) > topics.spans.max_message_bytes:
+                    if not claims.fits(len(value), topics.spans.max_message_bytes):
+                        try:  # claim-check: the record goes to MinIO, a small span with its ref to Kafka
+                            value = await claims.check_in(claim_client, payload_bucket, topics.spans,
+                                                          c.rollout_id, c.span, value)
+                        except claims.ClaimStoreUnavailable as exc:
+                            return error(503, "claim_store_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
+                        metrics["claims"] += 1
+                    if not claims.fits(len(value), topics.spans.max_message_bytes):
                         c = Converted(c.rollout_id, dead_reason="oversize", raw=b"",
-                                      dead_detail=f"span record {len(value)} bytes > {topics.spans.max_message_bytes}")
+                                      dead_detail=f"span claim record {len(value)} bytes > "
+                                                  f"{topics.spans.max_message_bytes - claims.CLAIM_MARGIN_BYTES}")
                     else:
                         items.append((topics.spans, c.rollout_id, value))
                         if c.reward is not None:

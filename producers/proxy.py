@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from producers import edge
+from producers import claims, edge
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from schemas import codec
 
@@ -287,11 +287,19 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
 
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
                timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
-               auth_token: SecretStr | str | None = None) -> FastAPI:
+               auth_token: SecretStr | str | None = None, claim_client=None,
+               payload_bucket: str | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
-    ``auth_token``: bearer token every route but ``GET /health`` requires (None: open)."""
+    ``auth_token``: bearer token every route but ``GET /health`` requires (None: open).
+    ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
+    (producers/claims.py); default: MinIO and bucket of the settings."""
     metrics: Counter[str] = Counter()
+    if payload_bucket is None:
+        from infra.settings import get_settings
+
+        payload_bucket = get_settings().payload_bucket
+    claim_client = claim_client or claims.make_client()
     seq = SequenceCounter()
     policy = PolicyState(policy_version)
     topics: Topics = sink.topics
@@ -383,19 +391,24 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         items: list[tuple] = []
         try:
             span["llm"] = llm_call_from_response(endpoint, body, response, policy.version)
-            items.append((topics.spans, rollout_id, span))
+            value = codec.encode(topics.spans.record, span)
+            # oversize: the record goes to MinIO, a small span with its ref to Kafka
+            items.append((topics.spans, rollout_id, await claims.check_in(
+                claim_client, payload_bucket, topics.spans, rollout_id, span, value)))
         except MissingTokenIds as exc:
             metrics["dead_letter.missing_token_ids"] += 1
-            items.append((topics.dead_letter, rollout_id, {
+            items.append((topics.dead_letter, rollout_id, codec.encode(topics.dead_letter.record, {
                 "reason": "missing_token_ids", "detail": str(exc), "stage": "proxy", "source_topic": None,
                 "source_partition": None, "source_offset": None, "rollout_id": rollout_id, "task_id": None,
-                "payload": json.dumps(span).encode(), "timestamp_ms": now_ms()}))
-        try:
-            await sink.produce(items)
-        except KafkaUnavailable as exc:
-            return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
+                "payload": json.dumps(span).encode(), "timestamp_ms": now_ms()})))
         except codec.SchemaError as exc:
             return error(502, "schema_error", exc.detail)
+        except claims.ClaimStoreUnavailable as exc:
+            return error(503, "claim_store_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
+        try:
+            await sink.produce_raw(items)
+        except KafkaUnavailable as exc:
+            return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         metrics["spans"] += 1
         return JSONResponse(strip_response(endpoint, body, response))
 

@@ -11,6 +11,7 @@ Plumbing only: every decision is made by the pure functions.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+from faust.serializers import codecs as faust_codecs
 from faust.streams import current_event
 
+from producers import claims
 from schemas import codec, topics
 from stream_jobs import assembly, grouping
 from stream_jobs import dead_letters as dl
@@ -53,6 +56,9 @@ class StreamConfig:
     retain_s: float = 3600.0
     tick_s: float = 0.5
     commit_interval_s: float = 0.5
+    linger_s: float = 0.02
+    payload_bucket: str = "spanrl-payloads"
+    claim_retry_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -83,6 +89,9 @@ class StreamConfig:
             retain_s=float(g("SPANRL_STREAM_RETAIN_S", "3600")),
             tick_s=float(g("SPANRL_STREAM_TICK_S", "0.5")),
             commit_interval_s=float(g("SPANRL_STREAM_COMMIT_INTERVAL_S", "0.5")),
+            linger_s=float(g("SPANRL_STREAM_LINGER_S", "0.02")),
+            payload_bucket=s.payload_bucket,
+            claim_retry_s=float(g("SPANRL_CLAIM_RETRY_S", "30")),
         )
 
 
@@ -146,10 +155,59 @@ def _install_source_partition_transactions() -> None:
     TransactionManager.commit = commit
 
 
+class TransitionCodec(faust_codecs.Codec):
+    """Faust codec of the ``group-transitions`` table: a transition dict as its Avro
+    record (schemas/avro/transition.v1.avsc, ~1/3 of its JSON); reads the JSON values
+    that workers before this codec wrote to the changelog."""
+
+    def _dumps(self, obj: Any) -> bytes:
+        return codec.encode("transition", obj)
+
+    def _loads(self, s: bytes) -> Any:
+        return json.loads(s) if s[:1] == b"{" else codec.decode("transition", s)
+
+
+faust_codecs.register("spanrl_transition", TransitionCodec())
+
+#: largest record any spanrl topic takes; Faust's producer refuses larger requests
+#: (its default, 1 MB, is below the topics' limit)
+MAX_RECORD_BYTES = max(t.max_message_bytes for t in topics.ALL)
+
+
+def max_call_bytes() -> int:
+    """Largest call store value (assembly.encode_call) whose transition, and sample,
+    still fit their topics with ``claims.CLAIM_MARGIN_BYTES`` to spare (ids and strings)."""
+    return min(topics.TRANSITIONS.max_message_bytes, topics.SAMPLES.max_message_bytes) - claims.CLAIM_MARGIN_BYTES
+
+
+def _install_recovery_highwaters() -> None:
+    """Faust gotcha (faust-streaming 0.15, processing_guarantee="exactly_once").
+
+    Table recovery reads where each changelog partition ends from aiokafka's
+    ``last_stable_offset(tp)``, which is only known after a fetch of that partition. At
+    recovery nothing has been fetched yet, so every changelog reads as empty (-1) and a
+    restarted worker starts with empty tables: pending calls, rollout states and groups
+    were lost on every restart. We ask the broker instead (ListOffsets with the
+    consumer's read_committed isolation returns the last stable offset, KIP-98), which
+    is what Faust already does outside transactions.
+    """
+    from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+
+    if getattr(AIOKafkaConsumerThread._highwaters, "_spanrl_patched", False):
+        return
+
+    async def _highwaters(self, partitions):
+        return await self._ensure_consumer().end_offsets(partitions)
+
+    _highwaters._spanrl_patched = True
+    AIOKafkaConsumerThread._highwaters = _highwaters
+
+
 def make_app(config: StreamConfig | None = None) -> faust.App:
     """Build the stream app for ``config`` (default: from the environment)."""
     cfg = config or StreamConfig.from_env()
     _install_source_partition_transactions()
+    _install_recovery_highwaters()
     app = faust.App(
         cfg.app_id,
         broker="kafka://" + cfg.bootstrap,
@@ -164,11 +222,16 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         # transaction commits, every broker_commit_interval (Faust default 2.8 s); the
         # bench profile showed this wait, not CPU, bounding reward -> transition latency
         broker_commit_interval=cfg.commit_interval_s,
+        producer_max_request_size=MAX_RECORD_BYTES,
+        # Faust sends every record as soon as it is queued (linger 0): one produce request
+        # per changelog write/output. Batching them for 20 ms cut the worker's CPU per
+        # run by ~20 % in the bench (BENCHMARKS.md); a commit waits for it at most once.
+        producer_linger=cfg.linger_s,
     )
     assembly_cfg = assembly.AssemblyConfig(
         credit_rule=parse_credit_rule(cfg.credit_rule), agents=cfg.train_agents,
         reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
-        settle_s=cfg.settle_s)
+        settle_s=cfg.settle_s, max_call_bytes=max_call_bytes())
     grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)
     rollout_partitions = topics.SPANS.partitions
     task_partitions = topics.TRANSITIONS.partitions
@@ -187,15 +250,18 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     samples_out = app.topic(cfg.samples_topic, **raw)
     dead_out = app.topic(cfg.dead_letter_topic, **raw)
 
-    # value_type None: Faust hands JSON values back as they are; value_type=dict made table
-    # recovery call dict.from_data and drop every changelog record with only a warning
-    # ("Error in recovery"), so a restarted worker lost all state (found by make chaos)
-    table_opts = dict(default=None, schema=faust.Schema(key_type=str, value_type=None,
-                                                        key_serializer="json", value_serializer="json"))
-    rollouts = app.Table("rollouts", partitions=rollout_partitions, **table_opts)
-    calls = app.Table("calls", partitions=rollout_partitions, **table_opts)
-    groups = app.Table("groups", partitions=task_partitions, **table_opts)
-    group_transitions = app.Table("group-transitions", partitions=task_partitions, **table_opts)
+    # Faust serializes a table's changelog with the serializer it derives from the Table's
+    # own key_type/value_type (bytes -> raw, else json), not with a Schema's serializers,
+    # and decodes it on recovery with value_type: dict (not a faust.Record) fails there and
+    # every changelog record was dropped, so value_type is None (json) or bytes (raw).
+    rollouts = app.Table("rollouts", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
+    # call store values are assembly.encode_call bytes, written as they are
+    calls = app.Table("calls", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
+    groups = app.Table("groups", partitions=task_partitions, default=None, key_type=str, value_type=None)
+    group_transitions = app.Table("group-transitions", partitions=task_partitions, default=None,
+                                  key_type=str, value_type=None)
+    group_transitions.value_serializer = "spanrl_transition"  # read when its changelog topic is made
+    claim_client = claims.make_client()
 
     async def send_dead(records: list[dict], message=None, payload: bytes | None = None) -> None:
         for r in records:
@@ -205,20 +271,54 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 if payload is not None and r.get("payload") is None:
                     r["payload"] = payload
             key = r["rollout_id"].encode() if r.get("rollout_id") else None
-            await dead_out.send(key=key, value=codec.encode("dead_letter", r))
+            value = codec.encode("dead_letter", r)
+            if not claims.fits(len(value), topics.DEAD_LETTER.max_message_bytes):
+                r = {**r, "payload": None,
+                     "detail": f"{r['detail']} [payload of {len(r['payload'] or b'')} bytes left out: too large]"}
+                value = codec.encode("dead_letter", r)
+            await dead_out.send(key=key, value=value)
             counters["dead_letters_out"] += 1
             dead_reasons[r["reason"]] += 1
 
+    def oversize(record: dict, what: str, size: int, limit: int) -> dict:
+        # assembly.max_call_bytes keeps calls well below this; ids/strings of absurd length remain
+        t = record.get("transition", record)
+        return dl.dead_letter(dl.OVERSIZE, dl.ASSEMBLER if what == "transition" else dl.GROUPER, _now_ms(),
+                              rollout_id=t["rollout_id"], task_id=t["task_id"],
+                              detail=f"{what} of attempt {t['attempt_id']} span {t['span_id']}: "
+                                     f"{size} bytes > {limit}")
+
     async def send_transitions(records: list[dict]) -> None:
+        limit = topics.TRANSITIONS.max_message_bytes
         for t in records:  # in call order
-            await transitions_out.send(key=t["task_id"].encode(), value=codec.encode("transition", t))
+            value = codec.encode("transition", t)
+            if not claims.fits(len(value), limit):
+                await send_dead([oversize(t, "transition", len(value), limit)])
+                continue
+            await transitions_out.send(key=t["task_id"].encode(), value=value)
             counters["transitions_out"] += 1
 
     async def send_samples(records: list[dict]) -> None:
+        limit = topics.SAMPLES.max_message_bytes
         for s in records:
-            await samples_out.send(key=s["transition"]["task_id"].encode(),
-                                   value=codec.encode("sample", s))
+            value = codec.encode("sample", s)
+            if not claims.fits(len(value), limit):
+                await send_dead([oversize(s, "sample", len(value), limit)])
+                continue
+            await samples_out.send(key=s["transition"]["task_id"].encode(), value=value)
             counters["samples_out"] += 1
+
+    async def claimed(record: dict, msg) -> dict | None:
+        """The span behind a claim record (``payload_ref``, producers/claims.py), or None
+        after dead-lettering ``claim_unresolved``."""
+        try:
+            data = await claims.resolve_claim(claim_client, record["payload_ref"], cfg.payload_bucket,
+                                              cfg.claim_retry_s)
+            return claims.check_claimed(record, codec.decode("span", data))
+        except (claims.ClaimError, codec.SchemaError) as exc:
+            await send_dead([dl.dead_letter(dl.CLAIM_UNRESOLVED, dl.ASSEMBLER, _now_ms(), detail=str(exc),
+                                            rollout_id=record["rollout_id"])], msg, msg.value)
+            return None
 
     kinds = {cfg.spans_topic: ("span", "spans_in"), cfg.rewards_topic: ("reward", "rewards_in"),
              cfg.rollouts_topic: ("rollout", "rollout_events_in")}
@@ -250,6 +350,11 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                     rollout_id=_key_text(msg.key))], msg, msg.value)
                 continue
             rid = record["rollout_id"]
+            if record_type == "span" and record.get("payload_ref") and record.get("kind") == "llm":
+                record = await claimed(record, msg)  # only llm calls can be training data
+                if record is None:
+                    continue
+                now = _now_ms()
             state = rollouts.get(rid) or assembly.new_state(rid, msg.partition)
             if record_type == "span":
                 out = assembly.add_span(state, record, calls, assembly_cfg, now)
@@ -257,9 +362,10 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 out = assembly.add_reward(state, record, now)
             else:
                 out = assembly.add_rollout_event(state, record, now)
-            input_dead = out.dead_letters
+            input_dead, changed = out.dead_letters, out.changed
             out = assembly.advance(state, calls, assembly_cfg, now)
-            rollouts[rid] = state
+            if changed or out.changed:  # a table write is a changelog record
+                rollouts[rid] = state
             await send_dead(input_dead, msg, msg.value)
             await send_transitions(out.transitions)
             await send_dead(out.dead_letters)

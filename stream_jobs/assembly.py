@@ -3,7 +3,8 @@
 Pure state logic (no Faust). One state dict per ``rollout_id``, plain JSON so it can
 live in a Faust table; the bulky token ids of usable LLM calls live in a separate
 ``store`` mapping (a dict in tests, a second Faust table in the app) so that a table
-update does not rewrite every call's tokens.
+update does not rewrite every call's tokens. A store value is compact bytes
+(:func:`encode_call`: int32 token ids, float32 log-probs), written once per call.
 
 An attempt (``attempt_id``) of a rollout is assembled on its own. Inputs may arrive in
 any order. An attempt ends, exactly once, in one of:
@@ -29,12 +30,17 @@ Selected calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source
 "proxy"``) or carrying token data (``llm`` set), of the trained agents when ``agents`` is
 given, ordered by ``(sequence_id, span_id)``. Such a span without ``llm`` or with no
 completion token ids -> dead letter ``missing_token_ids`` for that span alone (the other
-calls still train); completion logprobs not one per token -> ``logprobs_mismatch``.
+calls still train); completion logprobs not one per token -> ``logprobs_mismatch``; call
+data over ``max_call_bytes`` -> ``oversize``.
 A span re-delivered with the same ``span_id`` counts once.
 """
 from __future__ import annotations
 
+import json
 import math
+import struct
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
@@ -49,13 +55,16 @@ DEAD = "dead_letter"
 @dataclass(frozen=True)
 class AssemblyConfig:
     """credit_rule: credit per call; agents: names of trained agents (None: all);
-    reward_timeout_s / rollout_timeout_s: see the module doc."""
+    reward_timeout_s / rollout_timeout_s: see the module doc; max_call_bytes: a call
+    whose store value (:func:`encode_call`) is larger is dead-lettered ``oversize``
+    (None: no limit; the app sets it so that its transition fits the topic)."""
 
     credit_rule: CreditRule = field(default_factory=lambda: parse_credit_rule("identical"))
     agents: frozenset[str] | None = None
     reward_timeout_s: float = 60.0
     rollout_timeout_s: float = 900.0
     settle_s: float = 2.0
+    max_call_bytes: int | None = None
 
 
 @dataclass
@@ -64,7 +73,7 @@ class Outcome:
 
     transitions: list[dict] = field(default_factory=list)
     dead_letters: list[dict] = field(default_factory=list)
-    changed: bool = False  # advance(): the state changed and must be written back
+    changed: bool = False  # the state changed and must be written back
 
     def extend(self, other: "Outcome") -> "Outcome":
         self.transitions += other.transitions
@@ -98,10 +107,69 @@ def store_key(rollout_id: str, attempt_id: str, span_id: str) -> str:
     return f"{rollout_id}|{attempt_id}|{span_id}"
 
 
+CALL_FORMAT = 1
+_CALL_HEAD = struct.Struct("<BqII")  # format, policy_version, prompt length P, completion length C
+assert array("i").itemsize == 4 and array("f").itemsize == 4
+_SWAP = sys.byteorder == "big"
+
+
+def _packed(typecode: str, values) -> bytes:
+    a = array(typecode, values)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpacked(typecode: str, data: bytes) -> list:
+    a = array(typecode)
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
+
+
+def encode_call(llm: dict) -> bytes:
+    """Store value of one call (an ``llm`` record of span.v1 with one log-prob per
+    completion token), little-endian::
+
+        u8 format (1) | i64 policy_version | u32 P | u32 C
+        | P x i32 prompt_token_ids | C x i32 completion_token_ids
+        | C x f32 completion_logprobs | model (utf-8, the rest)
+
+    Exact for span.v1 data (Avro ``int`` ids are int32, ``float`` log-probs float32).
+    Raises OverflowError for an id outside int32.
+    """
+    prompt, completion = llm["prompt_token_ids"], llm["completion_token_ids"]
+    return b"".join((
+        _CALL_HEAD.pack(CALL_FORMAT, int(llm["policy_version"]), len(prompt), len(completion)),
+        _packed("i", prompt), _packed("i", completion), _packed("f", llm["completion_logprobs"]),
+        llm["model"].encode()))
+
+
+def decode_call(data: bytes) -> dict:
+    """The call dict of a store value: model, policy_version, prompt_token_ids,
+    completion_token_ids, completion_logprobs. Also reads the JSON values that
+    spanrl before format 1 kept in the store (a changelog written by an older worker)."""
+    if data[:1] == b"{":
+        return json.loads(data)
+    fmt, version, n_prompt, n_completion = _CALL_HEAD.unpack_from(data)
+    if fmt != CALL_FORMAT:
+        raise ValueError(f"unknown call store format {fmt}")
+    p = _CALL_HEAD.size
+    q = p + 4 * n_prompt
+    r = q + 4 * n_completion
+    e = r + 4 * n_completion
+    return {"model": bytes(data[e:]).decode(), "policy_version": version,
+            "prompt_token_ids": _unpacked("i", data[p:q]),
+            "completion_token_ids": _unpacked("i", data[q:r]),
+            "completion_logprobs": _unpacked("f", data[r:e])}
+
+
 def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyConfig,
              now_ms: int) -> Outcome:
     """Record one span (decoded span.v1). Non-LLM spans and calls of untrained agents are
-    not training data and leave no trace; a bad LLM span yields its dead letter."""
+    not training data and leave no trace (``changed`` stays False); a bad LLM span yields
+    its dead letter."""
     out = Outcome()
     if span.get("kind") != "llm":
         return out
@@ -111,6 +179,7 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         return out
     rid, aid, sid = span["rollout_id"], span["attempt_id"], span["span_id"]
     a = _attempt(state, aid, now_ms)
+    out.changed = True
     if sid in a["calls"] or sid in a["bad_spans"]:
         return out  # re-delivered span: counted once
     if a["done"] is not None:
@@ -127,25 +196,24 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         reason = dl.LOGPROBS_MISMATCH
         detail = (f"span {sid}: {len(llm.get('completion_logprobs') or [])} logprobs for "
                   f"{len(llm['completion_token_ids'])} completion tokens")
+    else:
+        value = encode_call(llm)
+        if config.max_call_bytes is not None and len(value) > config.max_call_bytes:
+            reason, detail = dl.OVERSIZE, (f"span {sid}: call data {len(value)} bytes > "
+                                           f"{config.max_call_bytes} (its transition would not fit the topic)")
     if reason:
         a["bad_spans"].append(sid)
         out.dead_letters.append(dl.dead_letter(
             reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"], detail=detail))
         return out
     a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name")}
-    store[store_key(rid, aid, sid)] = {
-        "model": llm["model"],
-        "policy_version": int(llm["policy_version"]),
-        "prompt_token_ids": list(llm["prompt_token_ids"]),
-        "completion_token_ids": list(llm["completion_token_ids"]),
-        "completion_logprobs": [float(x) for x in llm["completion_logprobs"]],
-    }
+    store[store_key(rid, aid, sid)] = value
     return out
 
 
 def add_reward(state: dict, reward: dict, now_ms: int) -> Outcome:
     """Record one reward event (decoded reward.v1). NaN/inf -> ``invalid_reward``."""
-    out = Outcome()
+    out = Outcome(changed=True)
     a = _attempt(state, reward["attempt_id"], now_ms)
     value = float(reward["value"])
     if not math.isfinite(value):
@@ -179,7 +247,7 @@ def add_rollout_event(state: dict, event: dict, now_ms: int) -> Outcome:
         if status in TERMINAL:
             a["ended_ms"] = now_ms
             a["error"] = event.get("error")
-    return Outcome()
+    return Outcome(changed=True)
 
 
 def advance(state: dict, store: MutableMapping, config: AssemblyConfig, now_ms: int) -> Outcome:
@@ -253,7 +321,7 @@ def build_transitions(rid: str, aid: str, a: dict, R: float, store: MutableMappi
     rewards = rule(R, T)  # LightningRL s3.3.2: identical credit -> every call gets R
     transitions = []
     for t, sid in enumerate(order):
-        call = store[store_key(rid, aid, sid)]
+        call = decode_call(store[store_key(rid, aid, sid)])
         transitions.append({
             "schema_version": 1,
             "rollout_id": rid,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 # --- assembler (stage "assembler") ---
 SCHEMA_ERROR = "schema_error"                  # input bytes did not decode
+CLAIM_UNRESOLVED = "claim_unresolved"          # span's payload_ref: object missing, wrong sha256 or span
+OVERSIZE = "oversize"                          # call/transition too large for its topic
 MISSING_TOKEN_IDS = "missing_token_ids"        # llm span without `llm` or with no completion ids
 LOGPROBS_MISMATCH = "logprobs_mismatch"        # completion_logprobs not one per completion token
 INVALID_REWARD = "invalid_reward"              # reward value NaN or infinite

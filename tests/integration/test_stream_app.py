@@ -1,9 +1,15 @@
-"""The stream app end to end against the real Kafka (settings.kafka_bootstrap).
+"""The stream app end to end against the real Kafka and MinIO (infra.settings).
 
 Runs ``python -m stream_jobs.app worker`` as a subprocess on private topics
-(``sjtest-<uuid>-*``) and a private app id, produces 2 tasks x 2 rollouts x 2 LLM calls
-(+ a tool span, a re-delivered span, one undecodable record) and checks exactly what
-reaches transitions, samples and dead-letter.
+(``sjtest-<uuid>-*``) and a private app id:
+
+- 2 tasks x 2 rollouts x 2 LLM calls (+ a tool span, a re-delivered span, one
+  undecodable record): exactly what reaches transitions, samples and dead-letter;
+- a span above the spans topic's limit posted to the OTLP bridge (``python -m
+  producers.bridge``): claim-checked into MinIO, resolved by the worker, full token ids
+  in the transition; claims to a missing or altered object -> ``claim_unresolved``;
+- a worker SIGKILLed with a call pending: the restarted worker recovers its tables
+  from the changelogs and emits the call.
 """
 from __future__ import annotations
 
@@ -18,9 +24,21 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from infra.stack import stop_process_group
+import hashlib
+import io
+import os
+import signal
 
+import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+
+from infra.stack import Stack, stop_process_group
+from producers import claims
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
@@ -125,7 +143,15 @@ async def _admin(op, names, app_id=None):
         await admin.close()
 
 
-def test_stream_app_end_to_end(tmp_path, stack):
+@pytest.fixture(scope="module")
+def kafka_minio(settings):
+    """The stack's Kafka and MinIO (started like ``make up`` starts them, if missing)."""
+    st = Stack(settings)
+    st.up(["kafka", "minio"])
+    return st
+
+
+def test_stream_app_end_to_end(tmp_path, kafka_minio):
     suffix = uuid.uuid4().hex[:8]
     names = {k: f"sjtest-{suffix}-{k}" for k in
              ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter")}
@@ -138,8 +164,9 @@ def test_stream_app_end_to_end(tmp_path, stack):
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
            "SPANRL_REWARD_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "60"}
     log = open(tmp_path / "worker.log", "wb")
+    # cwd: Faust writes <app_id>-data into the working directory
     proc = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         got, counters, returns = asyncio.run(_run(names, web_port, proc, time.monotonic() + 80))
@@ -194,3 +221,258 @@ def test_stream_app_end_to_end(tmp_path, stack):
     assert counters == {"spans_in": 17, "rewards_in": 4, "rollout_events_in": 8,
                         "transitions_out": 8, "samples_out": 8,
                         "dead_letters_out": {"schema_error": 1}}
+
+
+# ---------------------------------------------------------------- helpers of the tests below
+def _names(suffix: str) -> dict[str, str]:
+    return {k: f"sjtest-{suffix}-{k}" for k in
+            ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter")}
+
+
+def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **extra: str) -> subprocess.Popen:
+    env = {**os.environ, "SPANRL_STREAM_APP_ID": app_id, "SPANRL_FAUST_WEB_PORT": str(web_port),
+           "SPANRL_SPANS_TOPIC": names["spans"], "SPANRL_REWARDS_TOPIC": names["rewards"],
+           "SPANRL_ROLLOUTS_TOPIC": names["rollouts"], "SPANRL_TRANSITIONS_TOPIC": names["transitions"],
+           "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
+           "SPANRL_SETTLE_S": "1", "PYTHONPATH": str(REPO), **extra}
+    # cwd: Faust writes <app_id>-data into the working directory
+    return subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+                            cwd=log_path.parent, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{proc.args} exited {proc.returncode}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not up after {timeout_s}s")
+
+
+def _counters(web_port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{web_port}/spanrl/counters/", timeout=5).json()
+
+
+async def _produce(records: list[tuple[str, str, bytes]]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=get_settings().kafka_bootstrap,
+                                max_request_size=8 << 20)
+    await producer.start()
+    try:
+        for topic, key, value in records:
+            await producer.send_and_wait(topic, value, key=key.encode())
+    finally:
+        await producer.stop()
+
+
+async def _read(names: dict, kinds: tuple[str, ...], done, timeout_s: float) -> dict[str, list[dict]]:
+    """Decoded records of ``names[kind]`` topics (read_committed) until ``done(got)``."""
+    record = {"spans": "span", "transitions": "transition", "samples": "sample", "dead-letter": "dead_letter"}
+    consumer = AIOKafkaConsumer(*(names[k] for k in kinds), bootstrap_servers=get_settings().kafka_bootstrap,
+                                auto_offset_reset="earliest", isolation_level="read_committed",
+                                group_id=None, fetch_max_bytes=16 << 20, max_partition_fetch_bytes=16 << 20)
+    await consumer.start()
+    got: dict[str, list] = {k: [] for k in kinds}
+    by_topic = {names[k]: k for k in kinds}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not done(got):
+            for tp, msgs in (await consumer.getmany(timeout_ms=500)).items():
+                kind = by_topic[tp.topic]
+                got[kind] += [{**codec.decode(record[kind], m.value), "_size": len(m.value)} for m in msgs]
+    finally:
+        await consumer.stop()
+    return got
+
+
+async def _committed(group: str, topic: str) -> int:
+    """Offsets of ``topic`` the consumer group committed, summed over partitions."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=get_settings().kafka_bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return sum(max(0, m.offset) for tp, m in offsets.items() if tp.topic == topic)
+
+
+def _lifecycle(names: dict, rid: str, status: str, group_size: int = 1) -> tuple[str, str, bytes]:
+    return (names["rollouts"], rid, codec.encode("rollout", {
+        "rollout_id": rid, "attempt_id": "a0", "task_id": f"task-{rid}", "status": status,
+        "group_size": group_size, "timestamp_ms": 1}))
+
+
+def _reward(names: dict, rid: str, value: float) -> tuple[str, str, bytes]:
+    return (names["rewards"], rid, codec.encode("reward", {
+        "rollout_id": rid, "attempt_id": "a0", "value": value, "final": True, "timestamp_ms": 2}))
+
+
+def _ints(values: list) -> AnyValue:
+    return AnyValue(array_value=ArrayValue(values=[AnyValue(int_value=v) for v in values]))
+
+
+def _otlp_llm_span(rid: str, prompt: list[int], completion: list[int], logprobs: list[float],
+                   prompt_text: str) -> bytes:
+    """An OTLP request with one LLM span carrying its token ids (spanrl.llm.*) and a
+    (large) prompt text attribute."""
+    req = ExportTraceServiceRequest()
+    s = req.resource_spans.add().scope_spans.add().spans.add()
+    s.trace_id, s.span_id, s.name = b"\1" * 16, b"\3" * 8, "chat policy"
+    s.start_time_unix_nano, s.end_time_unix_nano = 1, 2
+    attrs = {"spanrl.rollout_id": AnyValue(string_value=rid), "spanrl.attempt_id": AnyValue(string_value="a0"),
+             "spanrl.sequence_id": AnyValue(int_value=0), "spanrl.agent_name": AnyValue(string_value="solver"),
+             "gen_ai.operation.name": AnyValue(string_value="chat"),
+             "gen_ai.request.model": AnyValue(string_value="policy"),
+             "gen_ai.prompt": AnyValue(string_value=prompt_text),
+             "spanrl.llm.prompt_token_ids": _ints(prompt), "spanrl.llm.completion_token_ids": _ints(completion),
+             "spanrl.llm.completion_logprobs": AnyValue(array_value=ArrayValue(
+                 values=[AnyValue(double_value=x) for x in logprobs]))}
+    s.attributes.extend(KeyValue(key=k, value=v) for k, v in attrs.items())
+    return req.SerializeToString()
+
+
+def _claim_span(rid: str, ref: str) -> bytes:
+    return codec.encode("span", claims.claim_span({
+        "rollout_id": rid, "attempt_id": "a0", "sequence_id": 0, "trace_id": "t" * 32, "span_id": f"{rid}-c0",
+        "name": "chat", "kind": "llm", "source": "proxy", "start_time_unix_nano": 1,
+        "end_time_unix_nano": 2, "agent_name": "solver"}, ref))
+
+
+def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, settings):
+    suffix = uuid.uuid4().hex[:8]
+    names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
+    asyncio.run(_admin("create", names))
+    minio = claims.make_client(settings)
+    bucket = settings.payload_bucket
+    # the span: 300 000 prompt ids (its call store value, 1.2 MB, is over Faust's default
+    # 1 MB request size) + a 3.4 MB prompt text: its Avro record is over the 4 MiB topic limit
+    prompt = [(i * 7919) % 49152 for i in range(300_000)]
+    completion, logprobs = [11, 12, 13], [-0.5, -0.25, -2.0]
+    body = _otlp_llm_span("rbig", prompt, completion, logprobs, "p" * 3_400_000)
+    # claims of two other rollouts: to no object, and to an object whose content is not its sha256
+    missing = f"s3://{bucket}/{names['spans']}/rmiss/{'0' * 64}.avro"
+    altered_key = claims.content_key(names["spans"], "ralt", b"the original")
+    minio.put_object(bucket, altered_key, io.BytesIO(b"something else"), 14)
+    web_port, bridge_port = _free_port(), _free_port()
+    bridge = subprocess.Popen([sys.executable, "-m", "producers.bridge", "--port", str(bridge_port),
+                               "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
+                              stdout=open(tmp_path / "bridge.log", "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log")
+    bridge_url = f"http://127.0.0.1:{bridge_port}"
+    try:
+        _wait_http(bridge_url + "/health", bridge)
+        _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
+        r = httpx.post(bridge_url + "/v1/traces", content=body, timeout=60,
+                       headers={"content-type": "application/x-protobuf"})
+        assert r.status_code == 200, r.text
+        assert not ExportTraceServiceResponse.FromString(r.content).HasField("partial_success")
+        assert httpx.get(bridge_url + "/metrics").json()["claims"] == 1
+        asyncio.run(_produce([
+            _lifecycle(names, "rbig", "started"), _lifecycle(names, "rbig", "succeeded"),
+            _reward(names, "rbig", 1.0),
+            (names["spans"], "rmiss", _claim_span("rmiss", missing)),
+            (names["spans"], "ralt", _claim_span("ralt", f"s3://{bucket}/{altered_key}"))]))
+        got = asyncio.run(_read(names, ("spans", "transitions", "samples", "dead-letter"),
+                                lambda g: g["samples"] and len(g["dead-letter"]) >= 2, 90))
+        counters = _counters(web_port)
+        # MinIO unreachable: the oversize span is refused with 503 + Retry-After, nothing produced
+        stop_process_group(bridge, grace_s=10)
+        bridge = subprocess.Popen([sys.executable, "-m", "producers.bridge", "--port", str(bridge_port),
+                                   "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
+                                  env={**os.environ, "SPANRL_MINIO_PORT": "1"},
+                                  stdout=open(tmp_path / "bridge2.log", "wb"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        _wait_http(bridge_url + "/health", bridge)
+        down = httpx.post(bridge_url + "/v1/traces", content=body, timeout=60,
+                          headers={"content-type": "application/x-protobuf"})
+        assert (down.status_code, down.json()["error"]) == (503, "claim_store_unavailable")
+        assert down.headers["retry-after"] and httpx.get(bridge_url + "/metrics").json().get("spans", 0) == 0
+    finally:
+        stop_process_group(bridge, grace_s=10)
+        stop_process_group(worker, grace_s=15)
+        try:
+            asyncio.run(_admin("delete", names, app_id))
+        except Exception:
+            pass
+        minio.remove_object(bucket, altered_key)
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+
+    # Kafka holds the small span; MinIO the whole record under its sha256
+    [small] = [s for s in got["spans"] if s["rollout_id"] == "rbig"]
+    assert small["llm"] is None and small["attributes"] == {} and small["_size"] < 1000
+    ref = claims.parse_ref(small["payload_ref"], bucket)
+    assert ref.key.startswith(f"{names['spans']}/rbig/")
+    data = minio.get_object(bucket, ref.key).read()
+    assert hashlib.sha256(data).hexdigest() == ref.sha256 and len(data) > topics.SPANS.max_message_bytes
+    full = codec.decode("span", data)
+    assert (full["span_id"], full["llm"]["prompt_token_ids"]) == (small["span_id"], prompt)
+    assert full["attributes"]["gen_ai.prompt"] == "p" * 3_400_000
+
+    # the worker resolved it: the transition has every token id
+    [t] = got["transitions"]
+    assert (t["rollout_id"], t["span_id"], t["reward"]) == ("rbig", "0303030303030303", 1.0), worker_log
+    assert t["prompt_token_ids"] == prompt and t["completion_token_ids"] == completion
+    assert t["behaviour_logprobs"] == logprobs
+    assert [s["transition"]["span_id"] for s in got["samples"]] == ["0303030303030303"]
+
+    # unresolvable claims: dead letters, the worker lives on
+    dead = sorted(got["dead-letter"], key=lambda d: d["rollout_id"])
+    assert [(d["rollout_id"], d["reason"], d["stage"], d["source_topic"]) for d in dead] == [
+        ("ralt", "claim_unresolved", "assembler", names["spans"]),
+        ("rmiss", "claim_unresolved", "assembler", names["spans"])], worker_log
+    assert "sha256 mismatch" in dead[0]["detail"] and "NoSuchKey" in dead[1]["detail"]
+    assert codec.decode("span", dead[1]["payload"])["payload_ref"] == missing
+    assert counters["dead_letters_out"] == {"claim_unresolved": 2} and counters["transitions_out"] == 1
+
+
+def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
+    """SIGKILL the worker while a rollout's first call waits in its tables; the next worker
+    (same app id) restores the tables from their changelogs and emits both calls."""
+    suffix = uuid.uuid4().hex[:8]
+    names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
+    asyncio.run(_admin("create", names))
+    rid = "rrec"
+    c0 = codec.encode("span", _span(rid, 0, "c0", prompt=(1, 2, 3), completion=(4, 5)))
+    c1 = codec.encode("span", _span(rid, 1, "c1", prompt=(6,), completion=(7, 8, 9)))
+    log = tmp_path / "worker.log"
+    web_port = _free_port()
+    worker = _start_worker(names, app_id, web_port, log)
+    try:
+        _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
+        asyncio.run(_produce([_lifecycle(names, rid, "started", 2), (names["spans"], rid, c0)]))
+        deadline = time.monotonic() + 30
+        while asyncio.run(_committed(app_id, names["spans"])) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the transaction with the span's offset (and its table writes) committed
+        assert _counters(web_port)["spans_in"] == 1
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        web_port = _free_port()
+        worker = _start_worker(names, app_id, web_port, log)
+        _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
+        asyncio.run(_produce([(names["spans"], rid, c1), _lifecycle(names, rid, "succeeded", 2),
+                              _reward(names, rid, 0.5)]))
+        got = asyncio.run(_read(names, ("transitions", "dead-letter"), lambda g: len(g["transitions"]) >= 2, 90))
+        counters = _counters(web_port)
+    finally:
+        stop_process_group(worker, grace_s=15)
+        try:
+            asyncio.run(_admin("delete", names, app_id))
+        except Exception:
+            pass
+    worker_log = log.read_text(errors="replace")[-3000:]
+    trs = got["transitions"]
+    assert [(t["span_id"], t["call_index"], t["rollout_transition_count"]) for t in trs] == [
+        ("c0", 0, 2), ("c1", 1, 2)], (got["dead-letter"], worker_log)
+    assert [(t["prompt_token_ids"], t["completion_token_ids"]) for t in trs] == [
+        ([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
+    assert [t["reward"] for t in trs] == [0.5, 0.5] and got["dead-letter"] == []
+    # c0 (offset 0, committed before the kill) is not consumed again: it came from the
+    # calls changelog. (Inputs that arrive while the worker recovers may be handled twice:
+    # Faust resumes stream partitions before seeking them to the committed offsets; the
+    # assembler's state is idempotent to that.)
+    assert counters["transitions_out"] == 2

@@ -175,3 +175,52 @@ def test_reward_for_a_rollout_never_seen_is_unknown_rollout():
     assert [d["reason"] for d in out.dead_letters] == ["rollout_timeout"]
     out, _, _ = run([(0, "span", span("a", 1)), (5, "reward", reward(1.0))], until_s=105)
     assert [(d["reason"], d["task_id"]) for d in out.dead_letters] == [("rollout_timeout", None)]
+
+
+# --- store format (encode_call / decode_call) and write-back flags
+
+CALL = {"model": "m", "policy_version": 3, "prompt_token_ids": [1, 2], "completion_token_ids": [5],
+        "completion_logprobs": [-0.25]}
+# u8 1 | i64 3 | u32 2 | u32 1 | i32 1, 2 | i32 5 | f32 -0.25 | "m"
+CALL_BYTES = bytes.fromhex("01" "0300000000000000" "02000000" "01000000"
+                           "01000000" "02000000" "05000000" "000080be" "6d")
+
+def test_encode_call_exact_bytes_and_back():
+    assert assembly.encode_call(CALL) == CALL_BYTES
+    assert assembly.decode_call(CALL_BYTES) == CALL
+    big = {**CALL, "prompt_token_ids": [2**31 - 1, -2**31, 0], "model": "pölicy",
+           "completion_token_ids": [], "completion_logprobs": []}
+    assert assembly.decode_call(assembly.encode_call(big)) == big
+
+def test_decode_call_reads_the_json_of_older_workers():
+    import json
+    assert assembly.decode_call(json.dumps(CALL).encode()) == CALL
+
+def test_store_holds_encoded_calls():
+    state, store = assembly.new_state("r1"), {}
+    assembly.add_span(state, span("a", 7, completion=(5, 6)), store, CFG, 0)
+    assert store == {"r1|a0|a": bytes.fromhex(
+        "01" "0300000000000000" "03000000" "02000000" "01000000" "02000000" "07000000"
+        "05000000" "06000000" "000080be" "000080be") + b"policy"}
+
+def test_changed_only_when_the_state_changed():
+    state, store = assembly.new_state("r1"), {}
+    assert not assembly.add_span(state, span("tool", 1, kind="tool", llm=False), store, CFG, 0).changed
+    assert not assembly.add_span(state, span("otel", 2, llm=False, source="otlp"), store, CFG, 0).changed
+    assert state == assembly.new_state("r1") and store == {}
+    assert assembly.add_span(state, span("a", 3), store, CFG, 0).changed
+    assert assembly.add_reward(state, reward(1.0), 0).changed
+    assert assembly.add_rollout_event(state, lifecycle("succeeded"), 0).changed
+    critic = assembly.AssemblyConfig(agents=frozenset({"critic"}))
+    assert not assembly.add_span(state, span("b", 4), store, critic, 0).changed
+
+def test_oversize_call_dead_letters_that_span_only():
+    # header 17 + 4 bytes per id and log-prob + 6 ("policy"): span a 17 + 28 + 6 = 51, span b 59
+    cfg = assembly.AssemblyConfig(settle_s=0, max_call_bytes=58)
+    out, _, store = run([(0, "span", span("a", 1)), (0, "span", span("b", 2, completion=(5, 6, 7))),
+                         (1, "life", lifecycle("succeeded")), (1, "reward", reward(1.0))], cfg)
+    assert [d["reason"] for d in out.dead_letters] == ["oversize"]
+    assert out.dead_letters[0]["detail"] == ("span b: call data 59 bytes > 58 "
+                                             "(its transition would not fit the topic)")
+    assert [(t["span_id"], t["rollout_transition_count"]) for t in out.transitions] == [("a", 1)]
+    assert store == {}
