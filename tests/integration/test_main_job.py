@@ -71,9 +71,12 @@ def test_short_main_job(main_job, settings):
     assert manifest["version"] == version and manifest["trained_offsets"]
     assert set(manifest["files"]) >= {"model.safetensors", "config.json"}
     checkpoint.verify_manifest(dest)
-    # ... and vLLM served it: iteration 1's calls were made by a trainer-produced version
+    # ... and vLLM served it: iteration 1's calls were made by versions no older than
+    # iteration 0's, and by a newer one (the trainer may publish while an iteration runs,
+    # and earlier tests of the session may have trained this run already)
     assert its[0]["policy_versions_served"] and its[1]["policy_versions_served"]
-    assert min(its[1]["policy_versions_served"]) > max(its[0]["policy_versions_served"])
+    assert min(its[1]["policy_versions_served"]) >= max(its[0]["policy_versions_served"])
+    assert max(its[1]["policy_versions_served"]) > max(its[0]["policy_versions_served"])
     assert summary["final_served_version"] >= version
 
 

@@ -307,7 +307,8 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
     proxy = None
     try:
         proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(topics),
-                                         "--vllm-url", "http://127.0.0.1:1", env=env, output=logs["proxy"])
+                                         "--vllm-url", "http://127.0.0.1:1", "--reloader-url", "",
+                                         env=env, output=logs["proxy"])
         rid = uuid.uuid4().hex
         body = _otlp_body({"spanrl.rollout_id": rid, "spanrl.reward.value": 0.5})
         pb = {"content-type": "application/x-protobuf"}

@@ -262,7 +262,11 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
     jsonl = tmp_path / "trainer.jsonl"
-    env = {**os.environ, **light_stack.service_env(), "SPANRL_TRAINER_RUN": run,
+    # not the pytest process's torch.distributed rendezvous (an in-process trainer test may have
+    # set MASTER_PORT and still hold it): each trainer process picks a free port of its own
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK",
+                                                                 "WORLD_SIZE", "LOCAL_RANK")}
+    env = {**inherited, **light_stack.service_env(), "SPANRL_TRAINER_RUN": run,
            "SPANRL_TRAINER_BASE_DIR": str(tiny_model_dir), "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
            "SPANRL_TRAINER_CHECKPOINTS_TOPIC": ckpt_topic, "SPANRL_TRAINER_START": "latest",
            "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_LOG_PATH": str(jsonl),
@@ -467,6 +471,11 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
     checkpoint.write_manifest(ckpt, run=run, version=1, parent_version=0, base_model="base", step=1,
                               trained_offsets={}, metrics={})
     uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+    # this test owns the proxy and reloader ports: the full stack's own proxy and reloader
+    # (when `make test` runs it) step aside and come back afterwards
+    displaced = [n for n in ("proxy", "reloader") if light_stack.running(n)]
+    for n in displaced:
+        await asyncio.to_thread(light_stack.stop, n)
     rl = Reloader(ReloaderConfig(run=run, checkpoints_topic=ckpt_topic, start="latest", watch_interval_s=1.0))
     reloader_task = proxy = None
     proxy_url = s.proxy_url
@@ -547,3 +556,5 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
         await admin.delete_topics([ckpt_topic])
         await admin.close()
         await delete_topics(s.kafka_bootstrap, [t.name for t in topics.all()])
+        for n in displaced:
+            await asyncio.to_thread(light_stack.start, n)
