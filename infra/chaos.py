@@ -56,6 +56,9 @@ CHAOS_ENV = {
     "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
     "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12", "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
     "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
+    # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4 only
+    # (every manifest stays, so the offset chain is still checked end to end)
+    "SPANRL_TRAINER_KEEP_PUBLISHED": "4",
 }
 
 

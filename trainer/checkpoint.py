@@ -301,6 +301,31 @@ def prune_local(run_dir: Path, keep: int, protect: set[Path] | frozenset = froze
     return doomed
 
 
+def weights_to_prune(versions: list[int], keep: int) -> list[int]:
+    """Versions whose weight files may go from the store: all but the newest ``keep``
+    (``keep <= 0``: none). Their manifests stay, so the offset chain stays checkable."""
+    return sorted(versions)[:-keep] if keep > 0 else []
+
+
+def prune_store(client, bucket: str, run: str, keep: int) -> list[int]:
+    """Delete the weight files (everything but ``manifest.json``) of the run's published
+    versions older than the newest ``keep``; returns the versions pruned. Such a version
+    can no longer be downloaded (verification fails: files missing), only its manifest
+    read; resume and the reloader use the newest version only."""
+    prefix = f"{run}/"
+    versions = sorted({int(n) for o in client.list_objects(bucket, prefix=prefix)
+                       if (n := o.object_name[len(prefix):].strip("/")).isdigit()})
+    pruned = []
+    for v in weights_to_prune(versions, keep):
+        objs = [o.object_name for o in client.list_objects(bucket, prefix=f"{run}/{v:06d}/", recursive=True)
+                if not o.object_name.endswith("/" + MANIFEST)]
+        for name in objs:
+            client.remove_object(bucket, name)
+        if objs:
+            pruned.append(v)
+    return pruned
+
+
 def make_client(settings):
     """A minio client for ``settings`` (infra.settings.Settings)."""
     from minio import Minio

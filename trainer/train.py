@@ -74,7 +74,9 @@ class TrainerConfig(BaseSettings):
     micro_batch_tokens: int = 2048  # ... and at most this many padded tokens
     max_tokens: int = 4096
     checkpoint_every: int = 1
-    keep_local: int = 2  # local checkpoint copies kept per run (0: all); MinIO keeps every version
+    keep_local: int = 2  # local checkpoint copies kept per run (0: all)
+    #: published versions whose weights stay in MinIO (0: all; older ones keep their manifest)
+    keep_published: int = 0
     init_from: str | None = None  # "RUN:VERSION": a new run starts from that checkpoint (replay)
     start: str = "earliest"  # where a run with no checkpoint starts reading samples: earliest|latest
     max_updates: int | None = None  # stop after this many updates (tests, benchmarks)
@@ -434,6 +436,14 @@ class Trainer:
         self.state.pending_checkpoint = None
         self._consumed_from = trained
         checkpoint.prune_local(out.parent, self.cfg.keep_local, protect={self.model_dir, out})
+        if self.cfg.keep_published > 0:
+            try:
+                pruned = await asyncio.to_thread(checkpoint.prune_store, self.minio, self.settings.checkpoint_bucket,
+                                                 self.run, self.cfg.keep_published)
+                if pruned:
+                    self.emit({"event": "pruned", "run": self.run, "versions": pruned})
+            except Exception as exc:  # noqa: BLE001 - housekeeping; the next publish tries again
+                log.warning("pruning old checkpoints of %s failed: %s", self.run, exc)
         self.emit({"event": "checkpoint", "run": self.run, "version": version, "uri": uri,
                    "step": self.state.step, "trained_offsets": trained, "consumed_offsets": consumed,
                    "seconds": round(time.perf_counter() - t0, 3)})

@@ -558,3 +558,34 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
         await delete_topics(s.kafka_bootstrap, [t.name for t in topics.all()])
         for n in displaced:
             await asyncio.to_thread(light_stack.start, n)
+
+
+def test_prune_store_keeps_newest_weights_and_every_manifest(tmp_path, light_stack):
+    """SPANRL_TRAINER_KEEP_PUBLISHED: older versions lose their weight files in MinIO but keep
+    their manifests (the offset chain stays checkable); the newest stay downloadable."""
+    s = get_settings()
+    client = checkpoint.make_client(s)
+    run = f"trprune-{uuid.uuid4().hex[:8]}"
+    try:
+        for v in (1, 2, 3):
+            d = tmp_path / f"{v:06d}"
+            d.mkdir()
+            (d / "model.safetensors").write_bytes(bytes([v]) * 64)
+            checkpoint.write_manifest(d, run=run, version=v, parent_version=v - 1, base_model="b", step=v,
+                                      trained_offsets={"samples:0": v}, metrics={})
+            checkpoint.upload_checkpoint(client, d, checkpoint.checkpoint_uri(s.checkpoint_bucket, run, v))
+        assert checkpoint.prune_store(client, s.checkpoint_bucket, run, keep=1) == [1, 2]
+        names = sorted(o.object_name for o in client.list_objects(s.checkpoint_bucket, prefix=f"{run}/",
+                                                                   recursive=True))
+        assert names == [f"{run}/000001/manifest.json", f"{run}/000002/manifest.json",
+                         f"{run}/000003/manifest.json", f"{run}/000003/model.safetensors"]
+        assert checkpoint.latest_version_in_store(client, s.checkpoint_bucket, run) == 3
+        assert checkpoint.download_checkpoint(client, checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 3),
+                                              tmp_path / "r3")["version"] == 3
+        with pytest.raises(checkpoint.CheckpointError):
+            checkpoint.download_checkpoint(client, checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1),
+                                           tmp_path / "r1")
+        assert checkpoint.prune_store(client, s.checkpoint_bucket, run, keep=1) == []  # idempotent
+    finally:
+        for o in client.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
+            client.remove_object(s.checkpoint_bucket, o.object_name)

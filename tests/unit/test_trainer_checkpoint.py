@@ -222,3 +222,10 @@ def test_prune_local_keeps_the_newest_and_protected(tmp_path):
     assert [p.name for p in gone] == ["000002", "000003"]
     assert sorted(p.name for p in run.iterdir()) == ["000001", "000004", "000005", "000006.partial"]
     assert prune_local(run, keep=0) == [] and prune_local(tmp_path / "absent", keep=2) == []
+
+
+def test_weights_to_prune_keeps_the_newest():
+    from trainer.checkpoint import weights_to_prune
+
+    assert weights_to_prune([3, 1, 2, 5, 4], keep=2) == [1, 2, 3]
+    assert weights_to_prune([1, 2], keep=4) == [] and weights_to_prune([1, 2], keep=0) == []
