@@ -106,10 +106,6 @@ class Snapshot:
     samples: list[dict]
     dead_letters: list[dict]
 
-    @property
-    def rollout_ids(self) -> set[str]:
-        return {e["rollout_id"] for e in self.events}
-
 
 async def snapshot(s: Settings, task_ids: set[str], start: dict[str, dict[int, int]]) -> Snapshot:
     b = s.kafka_bootstrap
