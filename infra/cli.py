@@ -5,6 +5,7 @@
     spanrl stack down                      stop everything
     spanrl stack logs NAME [-n 50]         tail a component's log
     spanrl demo [--keep-up] ...            the main job (examples/math_agent/main_job.py)
+    spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
 """
@@ -110,26 +111,71 @@ def test(
 
 @app.command()
 def demo(
-    iterations: int = typer.Option(3, help="tasks -> rollouts -> samples -> update -> reload cycles"),
-    tasks: int = typer.Option(3, help="tasks per iteration"),
-    group_size: int = typer.Option(4, help="rollouts per task (GRPO group)"),
-    out: str = typer.Option("results", help="where summary.json and reward_curve.png go"),
+    iterations: int = typer.Option(4, help="tasks -> rollouts -> samples -> update -> reload cycles"),
+    tasks: int = typer.Option(6, help="new training tasks per iteration"),
+    group_size: int = typer.Option(6, help="rollouts per task (GRPO group)"),
+    heldout_tasks: int = typer.Option(200, help="held-out tasks evaluated before and after (0: none)"),
+    out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
 ) -> None:
-    """The main job: a calculator math agent learns through Kafka, Faust, DeepSpeed, MinIO, vLLM."""
+    """The main job: a calculator math agent learns through Kafka, Faust, DeepSpeed, MinIO, vLLM;
+    the base and the final policy are evaluated on held-out tasks."""
+    import os
     from pathlib import Path
 
-    from examples.math_agent.main_job import MainJobConfig, run_main_job
+    from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
 
+    if not Stack().running("trainer"):  # the demo's trainer settings, unless set in the environment
+        for k, v in DEMO_TRAINER_ENV.items():
+            os.environ.setdefault(k, v)
     stack = _fresh_run("demo")
     _up_or_exit(stack)
     try:
         summary = run_main_job(MainJobConfig(iterations=iterations, tasks_per_iteration=tasks,
-                                             group_size=group_size, out_dir=Path(out)), console=console)
+                                             group_size=group_size, heldout_tasks=heldout_tasks,
+                                             out_dir=Path(out)), console=console)
     finally:
         if not keep_up:
             stack.down()
     console.print(f"[bold green]done[/bold green]: {summary['paths']}")
+
+
+@app.command("eval")
+def eval_cmd(
+    policy: list[str] = typer.Option(["base"], help="base or RUN:VERSION (repeat: compared on the same tasks, "
+                                     "paired differences against the first)"),
+    agent: str = typer.Option("examples.math_agent.agent:math_agent", help="runner callable module:attribute"),
+    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic"),
+    seed: int = typer.Option(1000, help="task seed (the main job trains on seed 0; 1000 is held out)"),
+    tasks: int = typer.Option(200, help="number of tasks"),
+    samples: int = typer.Option(1, help="episodes per task"),
+    temperature: float = typer.Option(0.0, help="sampling temperature of every call (0: greedy); "
+                                      "negative: the agent's own"),
+    concurrency: int = typer.Option(8, help="episodes in flight"),
+    out: str = typer.Option("results/eval", help="where NAME.json and NAME.png go"),
+    name: str = typer.Option("eval", help="report name"),
+) -> None:
+    """Evaluate an agent on held-out tasks under one or more policies (base model or a
+    verified checkpoint, pinned in vLLM for the evaluation and restored after). Calls are
+    recorded on the evaluation topics (spans.eval, rewards.eval), never trained on. Writes
+    JSON + PNG with 95% intervals and paired differences."""
+    from pathlib import Path
+
+    from infra.evaluation import EvalConfig, EvalError, evaluate
+
+    cfg = EvalConfig(policies=list(policy), agent=agent, task_set=task_set, seed=seed, tasks=tasks,
+                     samples=samples, temperature=None if temperature < 0 else temperature,
+                     concurrency=concurrency, out_dir=Path(out), name=name)
+    try:
+        report = evaluate(cfg, console=console)
+    except EvalError as exc:
+        console.print(f"[red]eval failed[/red]: {exc}")
+        raise typer.Exit(2)
+    for k, d in report["paired"].items():
+        console.print(f"{k}: reward {d['mean_reward']['estimate']:+.3f} [{d['mean_reward']['low']:+.3f}, "
+                      f"{d['mean_reward']['high']:+.3f}], success {d['success_rate']['estimate']:+.3f} "
+                      f"[{d['success_rate']['low']:+.3f}, {d['success_rate']['high']:+.3f}] over {d['tasks']} tasks")
+    console.print(f"{report['paths']}")
 
 
 @app.command()

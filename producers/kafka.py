@@ -36,11 +36,19 @@ class Topics:
     dead_letter: Topic = topics.DEAD_LETTER
 
     @classmethod
-    def with_prefix(cls, prefix: str) -> "Topics":
-        """The same topics named ``prefix + name`` (e.g. ``prtest-1a2b-spans``)."""
-        base = cls()
+    def with_prefix(cls, prefix: str, base: "Topics | None" = None) -> "Topics":
+        """The same topics (of ``base``, default the training set) named ``prefix + name``
+        (e.g. ``prtest-1a2b-spans``)."""
+        base = base or cls()
         return cls(**{f.name: dataclasses.replace(getattr(base, f.name), name=prefix + getattr(base, f.name).name)
                       for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def evaluation(cls) -> "Topics":
+        """The evaluation topic set: ``spans.eval``, ``rewards.eval``, ``rollouts.eval``,
+        ``dead-letter.eval`` (tasks are handed to the evaluator's runner directly)."""
+        return cls(spans=topics.SPANS_EVAL, rewards=topics.REWARDS_EVAL, rollouts=topics.ROLLOUTS_EVAL,
+                   dead_letter=topics.DEAD_LETTER_EVAL)
 
     @classmethod
     def from_env(cls) -> "Topics":

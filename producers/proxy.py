@@ -7,6 +7,10 @@ An agent points its OpenAI client at the per-rollout base URL
 token ids and log-probs of every call, records them (never re-tokenised) with the
 current policy version in a Span (source=proxy, kind=llm), waits for Kafka to
 acknowledge it, and only then returns vLLM's answer, minus what the client did not ask for.
+The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evaluation topics
+(``spans.eval``, ``dead-letter.eval``) instead: what ``spanrl eval`` and the release gate
+use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
+``agent`` (the client's own sampling) or a temperature every call gets (``0``: greedy).
 
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
@@ -23,6 +27,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -288,12 +293,14 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
                timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
                auth_token: SecretStr | str | None = None, claim_client=None,
-               payload_bucket: str | None = None) -> FastAPI:
+               payload_bucket: str | None = None, eval_topics: Topics | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
     ``auth_token``: bearer token every route but ``GET /health`` requires (None: open).
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
-    (producers/claims.py); default: MinIO and bucket of the settings."""
+    (producers/claims.py); default: MinIO and bucket of the settings.
+    ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
+    ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them."""
     metrics: Counter[str] = Counter()
     if payload_bucket is None:
         from infra.settings import get_settings
@@ -302,7 +309,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     claim_client = claim_client or claims.make_client()
     seq = SequenceCounter()
     policy = PolicyState(policy_version)
-    topics: Topics = sink.topics
+    train_topics: Topics = sink.topics
+    eval_topics = eval_topics or Topics.evaluation()
 
     async def follow_reloader(client: httpx.AsyncClient) -> None:
         while True:
@@ -345,12 +353,21 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
     edge.install_error_handlers(app, error)
 
-    async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+    async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
+                   topics: Topics = train_topics, sampling: str | None = None) -> Response:
         metrics["requests"] += 1
+        if topics is eval_topics:
+            metrics["eval_requests"] += 1
         try:
             body = parse_body(request.headers.get("content-type"), await request.body())
         except BadRequest as exc:
             return error(exc.status, exc.reason, exc.detail)
+        if sampling is not None and sampling != "agent":
+            temperature = eval_temperature(sampling)
+            if temperature is None:
+                return error(400, "invalid_sampling",
+                             f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
+            body["temperature"] = temperature
         if body.get("stream"):
             return error(400, "stream_not_supported", "stream=true is not supported by the spanrl proxy yet")
         if body.get("n") not in (None, 1):
@@ -413,6 +430,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         return JSONResponse(strip_response(endpoint, body, response))
 
     prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
+    # the same API, recorded on the evaluation topics; {sampling}: "agent" keeps the client's
+    # sampling, a number sets every call's temperature (0: greedy)
+    eval_prefix = "/eval/{sampling}" + prefix
 
     @app.post(prefix + "/chat/completions")
     async def chat(rollout_id: str, attempt_id: str, request: Request) -> Response:
@@ -421,6 +441,18 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     @app.post(prefix + "/completions")
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
+
+    @app.post(eval_prefix + "/chat/completions")
+    async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling)
+
+    @app.post(eval_prefix + "/completions")
+    async def eval_completions(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request, eval_topics, sampling)
+
+    @app.get(eval_prefix + "/models")
+    async def eval_models(sampling: str, rollout_id: str, attempt_id: str) -> Response:
+        return await models(rollout_id, attempt_id)
 
     @app.get(prefix + "/models")
     async def models(rollout_id: str, attempt_id: str) -> Response:
@@ -468,6 +500,15 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     return app
 
 
+def eval_temperature(sampling: str) -> float | None:
+    """The temperature an ``/eval/{sampling}/...`` route sets: a finite number >= 0, else None."""
+    try:
+        value = float(sampling)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None) -> dict[str, str]:
     """GenAI semantic-convention attributes of one call (all values as strings)."""
     usage = response.get("usage") or {}
@@ -507,9 +548,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
+    eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.vllm_url,
                      a.model_name, a.policy_version, reloader_url=a.reloader_url.rstrip("/") or None,
-                     auth_token=s.auth_token)
+                     auth_token=s.auth_token, eval_topics=eval_topics)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

@@ -51,11 +51,26 @@ SAMPLES = Topic("samples", "task_id", "sample", 1, retention_ms=-1)
 CHECKPOINTS = Topic("checkpoints", "run", "checkpoint", 1, retention_ms=-1, compact=False)
 DEAD_LETTER = Topic("dead-letter", "rollout_id", "dead_letter", 1, retention_ms=-1)
 
-ALL: tuple[Topic, ...] = (SPANS, REWARDS, ROLLOUTS, TASKS, TRANSITIONS, SAMPLES, CHECKPOINTS, DEAD_LETTER)
-BY_NAME = {t.name: t for t in ALL}
 
 
 def derived(base: Topic, suffix: str) -> Topic:
-    """A topic shaped like ``base`` named ``base.name + '.' + suffix`` (replay outputs)."""
+    """A topic shaped like ``base`` named ``base.name + '.' + suffix`` (replay outputs,
+    evaluation topics)."""
     return Topic(f"{base.name}.{suffix}", base.key, base.record, base.partitions,
                  base.retention_ms, base.compact, base.max_message_bytes)
+
+
+#: Evaluation records (``spanrl eval``, the release gate): the same shapes as the training
+#: inputs under ``<name>.eval``. The proxy's ``/eval/...`` routes and the evaluator's runner
+#: write them; no stream job or trainer reads them (one log, several consumers).
+EVAL_SUFFIX = "eval"
+SPANS_EVAL = derived(SPANS, EVAL_SUFFIX)
+REWARDS_EVAL = derived(REWARDS, EVAL_SUFFIX)
+ROLLOUTS_EVAL = derived(ROLLOUTS, EVAL_SUFFIX)
+DEAD_LETTER_EVAL = derived(DEAD_LETTER, EVAL_SUFFIX)
+TRAINING_INPUTS = (SPANS, REWARDS, ROLLOUTS)
+EVAL_TOPICS = (SPANS_EVAL, REWARDS_EVAL, ROLLOUTS_EVAL, DEAD_LETTER_EVAL)
+
+ALL: tuple[Topic, ...] = (SPANS, REWARDS, ROLLOUTS, TASKS, TRANSITIONS, SAMPLES, CHECKPOINTS, DEAD_LETTER,
+                          *EVAL_TOPICS)
+BY_NAME = {t.name: t for t in ALL}

@@ -20,6 +20,8 @@ from typing import Awaitable, Callable, TypeVar
 log = logging.getLogger("spanrl.checkpoint")
 
 MANIFEST = "manifest.json"
+#: the release gate's decision, written beside a manifest (trainer/gate.py); not a checkpoint file
+GATE_RECORD = "gate.json"
 START_MARKER = "start.json"
 T = TypeVar("T")
 
@@ -318,7 +320,7 @@ def prune_store(client, bucket: str, run: str, keep: int) -> list[int]:
     pruned = []
     for v in weights_to_prune(versions, keep):
         objs = [o.object_name for o in client.list_objects(bucket, prefix=f"{run}/{v:06d}/", recursive=True)
-                if not o.object_name.endswith("/" + MANIFEST)]
+                if not o.object_name.endswith(("/" + MANIFEST, "/" + GATE_RECORD))]
         for name in objs:
             client.remove_object(bucket, name)
         if objs:
@@ -416,6 +418,23 @@ def write_start_marker(client, bucket: str, run: str, marker: dict) -> None:
                       content_type="application/json")
 
 
+def write_gate_record(client, uri: str, record: dict) -> None:
+    """Put the release gate's decision beside the checkpoint's manifest
+    (``<uri>gate.json``; not listed in the manifest, so verification is unchanged)."""
+    import io
+
+    bucket, prefix = parse_uri(uri)
+    data = json.dumps(record, indent=2, sort_keys=True).encode()
+    client.put_object(bucket, prefix + GATE_RECORD, io.BytesIO(data), len(data), content_type="application/json")
+
+
+def read_gate_record(client, uri: str) -> dict | None:
+    """The gate's decision written beside the checkpoint at ``uri`` (None when none)."""
+    bucket, prefix = parse_uri(uri)
+    raw = _read_object(client, bucket, prefix + GATE_RECORD)
+    return json.loads(raw) if raw is not None else None
+
+
 def download_checkpoint(client, uri: str, dest: Path) -> dict:
     """Download the checkpoint at ``uri`` into ``dest`` and return its verified manifest.
 
@@ -434,7 +453,7 @@ def download_checkpoint(client, uri: str, dest: Path) -> dict:
             raise CheckpointError(f"{uri}: no {MANIFEST} (upload unfinished or wrong uri)")
         for o in objs:
             name = o.object_name[len(prefix):]
-            if "/" in name:
+            if "/" in name or name == GATE_RECORD:  # the gate's decision is not part of the checkpoint
                 continue
             client.fget_object(bucket, o.object_name, str(tmp / name))
         manifest = verify_manifest(tmp)

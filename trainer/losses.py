@@ -54,11 +54,15 @@ def ppo_clip_loss(
     normaliser: float | torch.Tensor | None = None,
     kl_coef: float = 0.0,
     ref_logp: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PPO-clip / GRPO surrogate, token mean over the batch (see module doc).
 
     All inputs ``[B, T]``; ``advantages`` is the sequence advantage broadcast per token.
     With ``kl_coef > 0`` and ``ref_logp`` adds ``kl_coef * k3(pi || pi_ref)`` per token.
+    ``token_weights`` ``[B, T]`` (zero off the completion): the loss is
+    ``sum(per_token * token_weights)`` instead of the token mean (``normaliser`` unused);
+    see :func:`sequence_loss_weights`.
     """
     # PPO clipped objective: Schulman et al. 2017 (arXiv 1707.06347) eq. 7;
     # GRPO: Shao et al. 2024 (arXiv 2402.03300) eq. 3, ratio against the behaviour
@@ -71,7 +75,42 @@ def ppo_clip_loss(
         # GRPO eq. 4: unbiased k3 estimator of KL(pi_theta || pi_ref)
         log_ref_ratio = ref_logp - logp
         per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+    if token_weights is not None:
+        return masked_sum(per_token, completion_mask * token_weights)
     return masked_mean(per_token, completion_mask, normaliser)
+
+
+LOSS_AGGREGATIONS = ("token_mean", "per_rollout_mean")
+
+
+def sequence_loss_weights(rollout_keys: list, completion_lengths: list[int], agg: str = "token_mean") -> list[float]:
+    """Weight ``w_i`` of every completion token of sample ``i`` in an update's loss
+    ``sum_i w_i sum_t loss_it`` (the weights of all tokens sum to 1).
+
+    - ``token_mean``: ``w_i = 1 / N``, N = completion tokens of the update (DAPO's token-level
+      loss, arXiv 2503.14476 s3.3): a rollout with many calls weighs more.
+    - ``per_rollout_mean``: every rollout weighs the same and its tokens share its weight,
+      ``w_i = 1 / (R * L_r(i))`` with R rollouts in the update and ``L_r`` the completion
+      tokens of rollout r (Agent Lightning's ``per_rollout_mean`` loss option): a failed
+      rollout that used every turn no longer outweighs a short successful one.
+
+    ``rollout_keys[i]``: the rollout (e.g. ``(rollout_id, attempt_id)``) of sample i;
+    ``completion_lengths[i] > 0``. Raises ValueError for an unknown ``agg`` or mismatched
+    lengths. Example: lengths [2, 2, 4] of rollouts [a, a, b] give token_mean [1/8]*3 and
+    per_rollout_mean [1/8, 1/8, 1/8]; lengths [1, 1, 6] give [1/8]*3 and [1/4, 1/4, 1/12].
+    """
+    if len(rollout_keys) != len(completion_lengths):
+        raise ValueError("one rollout key per completion length")
+    if agg == "token_mean":
+        n = sum(completion_lengths)
+        return [1.0 / n] * len(completion_lengths)
+    if agg == "per_rollout_mean":
+        per_rollout: dict = {}
+        for key, length in zip(rollout_keys, completion_lengths):
+            per_rollout[key] = per_rollout.get(key, 0) + length
+        r = len(per_rollout)
+        return [1.0 / (r * per_rollout[key]) for key in rollout_keys]
+    raise ValueError(f"unknown loss aggregation {agg!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
 
 
 def approx_kl(logp: torch.Tensor, behaviour_logp: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,18 @@ Crash safety
 - ``GET /policy`` answers ``{"version", "checkpoint", "synced"}`` after checking vLLM's
   health now: what the proxy adopts at start-up or after a vLLM transport error.
 
+Release gate (``SPANRL_RELOADER_GATE=true``, off by default; trainer/gate.py): a verified
+checkpoint is loaded and evaluated greedily on held-out tasks against the incumbent and
+stays served only when it is not worse beyond ``gate_tolerance`` with 95% confidence;
+else the incumbent is reloaded. The decision goes to ``RUN/VERSION/gate.json`` beside the
+manifest, the history (``/status``) and the ``checkpoints`` topic (event served | refused).
+The trainer is not told: it goes on from its own latest weights.
+
+Evaluation pins: ``POST /admin/pin {"run", "version"}`` makes vLLM serve another verified
+checkpoint (version 0: the base model) until ``POST /admin/unpin``; announcements that arrive
+meanwhile are verified and become the target, which the unpin applies. ``spanrl eval``
+uses this to evaluate any ``RUN:VERSION`` and restore what was served.
+
 Run: ``python -m trainer.reloader --run NAME``; ``/health``, ``/status`` and ``/policy``
 on reloader_port.
 """
@@ -46,9 +58,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from infra.settings import get_settings
 from schemas import topics
 from trainer import checkpoint
-from trainer.train import _partitions, start_http
+from trainer.train import _partitions, read_announcements, start_http
 
 log = logging.getLogger("spanrl.reloader")
+
+
+class CheckpointNotFound(LookupError):
+    """No published checkpoint (manifest) at the asked run and version."""
 
 
 class ReloaderConfig(BaseSettings):
@@ -70,6 +86,17 @@ class ReloaderConfig(BaseSettings):
     watch_interval_s: float = 1.0  # poll vLLM /health this often; 0 = do not watch
     http: bool = True
     keep_local: int = 2  # local checkpoint copies kept per run (0: all); MinIO keeps every version
+    #: release gate (trainer/gate.py): evaluate each new checkpoint on held-out tasks before it
+    #: becomes the served policy; off by default (it holds vLLM for the evaluation, and the
+    #: agent and tasks it runs are the user's choice)
+    gate: bool = False
+    gate_agent: str = "examples.math_agent.agent:math_agent"
+    gate_task_set: str = "arith_word"
+    gate_seed: int = 1000  # the held-out seed; items [gate_offset, gate_offset + gate_tasks)
+    gate_offset: int = 200  # past the 200 the main job reports, so serving decisions never saw those
+    gate_tasks: int = 40
+    gate_tolerance: float = 0.0  # refuse when worse than the incumbent by more, with 95% confidence
+    gate_concurrency: int = 8
 
 
 def vllm_watch_action(up: bool, synced: bool, now: float, next_apply_at: float) -> str:
@@ -103,7 +130,11 @@ class Reloader:
         self.served_uri = ""
         # the newest verified checkpoint vLLM should serve (version 0: the base model)
         self.target = {"version": 0, "dir": str(self.settings.model_dir), "uri": ""}
-        self.vllm_synced = False  # vLLM serves `target` and no outage was seen since
+        self.vllm_synced = False  # vLLM serves `want()` and no outage was seen since
+        #: a checkpoint served instead of the target until unpinned (``spanrl eval``, the gate)
+        self.pinned: dict | None = None
+        #: release gate: per-task rewards of each evaluated checkpoint uri ("" = base model)
+        self._gate_cache: dict[str, dict[str, float]] = {}
         self.history: list[dict] = []
         self.handled = 0
         self._lock = asyncio.Lock()  # one vLLM reload / proxy notification sequence at a time
@@ -111,9 +142,15 @@ class Reloader:
         self._apply_failures = 0
         self._next_apply_at = 0.0
 
+    def want(self) -> dict:
+        """What vLLM should serve now: the pinned checkpoint, else the target."""
+        return self.pinned or self.target
+
     def status(self) -> dict:
         return {"run": self.run, "served_version": self.served_version, "served_dir": self.served_dir,
-                "target_version": self.target["version"], "vllm_synced": self.vllm_synced,
+                "served_uri": self.served_uri, "target_version": self.target["version"],
+                "vllm_synced": self.vllm_synced,
+                "pinned": None if self.pinned is None else {k: self.pinned[k] for k in ("run", "version", "uri")},
                 "history": self.history[-50:]}
 
     def stop(self) -> None:
@@ -122,8 +159,8 @@ class Reloader:
     async def policy(self) -> dict:
         """``{"version", "checkpoint", "synced"}``: what vLLM serves; ``synced`` only when a
         reload is not under way, the last one succeeded and vLLM answers /health now."""
-        synced = (not self._lock.locked() and self.vllm_synced and self.served_version == self.target["version"]
-                  and await vllm_healthy(self.vllm_url))
+        synced = (not self._lock.locked() and self.vllm_synced and self.served_version == self.want()["version"]
+                  and self.served_uri == self.want()["uri"] and await vllm_healthy(self.vllm_url))
         return {"version": self.served_version, "checkpoint": self.served_uri, "synced": synced}
 
     # one announcement -----------------------------------------------------------------
@@ -176,7 +213,93 @@ class Reloader:
                       self.served_version)
             return False
         entry["verified"], entry["error"] = True, None
+        if self.cfg.gate:
+            return await self.gated_load(ann, dest, entry)
         return await self.load(version, dest, uri, entry)
+
+    # release gate ---------------------------------------------------------------------
+    def _gate_tasks(self) -> list[dict]:
+        from examples.math_agent.tasks import load_task_set
+
+        tasks = load_task_set(self.cfg.gate_task_set, self.cfg.gate_seed, self.cfg.gate_offset + self.cfg.gate_tasks)
+        return tasks[self.cfg.gate_offset:]
+
+    async def _gate_rewards(self, label: str) -> dict[str, float]:
+        """Per-task reward of what vLLM serves now on the gate's tasks (greedy, through the
+        proxy's evaluation routes: recorded on the evaluation topics)."""
+        from infra.evaluation import EvalConfig, per_task_means, run_policy_episodes
+
+        cfg = EvalConfig(agent=self.cfg.gate_agent, temperature=0.0, concurrency=self.cfg.gate_concurrency,
+                         name=f"gate-{self.run}-{label}")
+        episodes = await run_policy_episodes(cfg, self.settings, self._gate_tasks())
+        return per_task_means(episodes, lambda e: e.reward)
+
+    async def gated_load(self, ann: dict, dest: Path, entry: dict) -> bool:
+        """Serve verified checkpoint ``ann`` only if the release gate accepts it
+        (trainer/gate.py): the incumbent's gate rewards (cached per checkpoint), then the
+        candidate loaded into vLLM and evaluated on the same tasks; accepted -> it stays
+        and becomes the target; refused -> the incumbent is reloaded. The decision is
+        written beside the manifest (``RUN/VERSION/gate.json``), into the history and as a
+        ``checkpoints`` record (event served | refused). True when vLLM now serves it."""
+        from trainer.gate import gate_decision
+
+        version, uri = int(ann["version"]), ann["uri"]
+        while self.pinned is not None and not self._stop.is_set():  # an evaluation holds vLLM
+            await asyncio.sleep(1.0)
+        incumbent = dict(self.target)
+        t0 = time.perf_counter()
+        if incumbent["uri"] not in self._gate_cache:
+            self._gate_cache[incumbent["uri"]] = await self._gate_rewards(f"v{incumbent['version']}")
+        async with self._lock:
+            self.pinned = {"run": self.run, "version": version, "dir": str(dest), "uri": uri}
+            self._apply_failures, self._next_apply_at = 0, 0.0
+            loaded = await self._apply(entry)
+            if not loaded:
+                self.pinned = None
+                return False
+        try:
+            candidate = await self._gate_rewards(f"v{version}")
+        except Exception as exc:  # noqa: BLE001 - an evaluation that fails refuses nothing silently
+            async with self._lock:
+                self.pinned = None
+                entry["error"] = f"gate evaluation failed: {type(exc).__name__}: {exc}"[:500]
+                await self._apply(entry)
+            log.error("release gate could not evaluate v%d: %s; vLLM back on v%d", version, exc,
+                      self.target["version"])
+            return False
+        decision = gate_decision(self._gate_cache[incumbent["uri"]], candidate, self.cfg.gate_tolerance)
+        record = {"run": self.run, "version": version, "incumbent_version": incumbent["version"],
+                  "incumbent_uri": incumbent["uri"], "tasks": {"task_set": self.cfg.gate_task_set,
+                                                              "seed": self.cfg.gate_seed,
+                                                              "offset": self.cfg.gate_offset,
+                                                              "count": self.cfg.gate_tasks},
+                  "decision": decision.as_dict(), "seconds": round(time.perf_counter() - t0, 1),
+                  "at_ms": int(time.time() * 1000)}
+        entry["gate"] = record
+        await self._retry_quiet(lambda: asyncio.to_thread(checkpoint.write_gate_record, self.minio, uri, record))
+        await self._retry_quiet(lambda: announce_decision(self.settings, self.cfg.checkpoints_topic, ann, record))
+        async with self._lock:
+            self.pinned = None
+            if decision.accept:
+                self.target = {"version": version, "dir": str(dest), "uri": uri}
+                self._gate_cache[uri] = candidate
+                log.info("release gate: v%d served (%s, reward %+.3f vs v%d)", version, decision.reason,
+                         decision.difference["estimate"], incumbent["version"])
+                return True
+            log.warning("release gate: v%d refused (%s, reward %+.3f [%+.3f, %+.3f] vs v%d); vLLM back on v%d",
+                        version, decision.reason, decision.difference["estimate"], decision.difference["low"],
+                        decision.difference["high"], incumbent["version"], incumbent["version"])
+            entry["refused"] = decision.reason
+            restore = {"version": incumbent["version"], "uri": incumbent["uri"], "event": "gate_restore",
+                       "verified": True, "reloaded": False, "reload_s": None, "error": None,
+                       "at_ms": int(time.time() * 1000)}
+            self.history.append(restore)
+            await self._apply(restore)
+            return False
+
+    async def _retry_quiet(self, fn) -> None:
+        """Retry a MinIO/Kafka write of the gate's decision with backoff until it succeeds."""
+        await checkpoint.retry(fn, what="gate decision", stop=self._stop)
 
     async def load(self, version: int, ckpt_dir: Path, uri: str, entry: dict | None = None) -> bool:
         """Make the verified checkpoint dir ``ckpt_dir`` the target, reload it into vLLM and
@@ -188,13 +311,105 @@ class Reloader:
             self.history.append(entry)
         async with self._lock:
             self.target = {"version": version, "dir": str(ckpt_dir), "uri": uri}
+            if self.pinned is not None:  # an evaluation holds vLLM: applied on unpin
+                entry["deferred"] = "pinned"
+                log.info("v%d verified; vLLM stays on pinned %s until unpinned", version, self.pinned["uri"] or "base")
+                return False
             self._apply_failures, self._next_apply_at = 0, 0.0
             return await self._apply(entry)
+
+    # pinning (evaluation) -------------------------------------------------------------
+    async def pin(self, run: str | None, version: int) -> dict:
+        """Serve checkpoint ``run:version`` (version 0: the base model) until :meth:`unpin`.
+
+        The checkpoint is downloaded into ``cache_dir/checkpoints/pinned/RUN/VERSION`` and
+        verified against its manifest, and against the announced manifest sha256 when
+        ``run`` announced that version. Announcements arriving meanwhile are verified and
+        become the target, applied on unpin. Returns :meth:`status`. Raises
+        :class:`CheckpointNotFound` (no manifest in MinIO), ``checkpoint.CheckpointError``
+        (does not verify; vLLM untouched), RuntimeError (the vLLM reload failed; the pin is
+        dropped and the target re-applied by the watch)."""
+        run = run or self.run
+        if version < 0:
+            raise CheckpointNotFound(f"version must be >= 0, got {version}")
+        if version == 0:
+            want = {"run": run, "version": 0, "dir": str(self.settings.model_dir), "uri": ""}
+        else:
+            uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, run, version)
+            dest = self.settings.cache_dir / "checkpoints" / "pinned" / run / f"{version:06d}"
+            announced = [a for a in await read_announcements(self.cfg.checkpoints_topic, run,
+                                                             self.settings.kafka_bootstrap)
+                         if int(a["version"]) == version]
+
+            def download() -> None:
+                try:
+                    self.minio.stat_object(self.settings.checkpoint_bucket,
+                                           f"{run}/{version:06d}/{checkpoint.MANIFEST}")
+                except Exception as exc:  # noqa: BLE001 - NoSuchKey / NoSuchBucket
+                    raise CheckpointNotFound(f"no checkpoint {run}:{version} ({uri}): {exc}") from exc
+                manifest = checkpoint.download_checkpoint(self.minio, uri, dest)
+                if manifest["version"] != version or manifest["run"] != run:
+                    raise checkpoint.CheckpointError(
+                        f"manifest is {manifest['run']}/{manifest['version']}, asked for {run}/{version}")
+                actual = checkpoint.manifest_sha256(dest)
+                if announced and actual != announced[-1]["manifest_sha256"]:
+                    raise checkpoint.CheckpointError(
+                        f"manifest sha256 {actual} != announced {announced[-1]['manifest_sha256']}")
+
+            try:
+                await asyncio.to_thread(download)
+            except Exception:
+                shutil.rmtree(dest, ignore_errors=True)
+                raise
+            want = {"run": run, "version": version, "dir": str(dest), "uri": uri}
+        entry = {"version": version, "uri": want["uri"], "event": "pin", "run": run, "verified": True,
+                 "reloaded": False, "reload_s": None, "error": None, "at_ms": int(time.time() * 1000)}
+        self.history.append(entry)
+        async with self._lock:
+            self.pinned = want
+            self._apply_failures, self._next_apply_at = 0, 0.0
+            if not await self._apply(entry):
+                self.pinned = None
+                raise RuntimeError(f"vLLM reload of {run}:{version} failed: {entry['error']}")
+        return self.status()
+
+    async def unpin(self) -> dict:
+        """Drop the pin and serve the target again (the newest verified checkpoint of the
+        run). Returns :meth:`status`; a failed reload is retried by the watch."""
+        async with self._lock:
+            was, self.pinned = self.pinned, None
+            if was is not None:
+                entry = {"version": self.target["version"], "uri": self.target["uri"], "event": "unpin",
+                         "verified": True, "reloaded": False, "reload_s": None, "error": None,
+                         "at_ms": int(time.time() * 1000)}
+                self.history.append(entry)
+                self._apply_failures, self._next_apply_at = 0, 0.0
+                await self._apply(entry)
+        return self.status()
+
+    async def http_pin(self, body: dict) -> tuple[int, dict]:
+        """``POST /admin/pin {"run"?, "version"}``: 200 status, 400 bad body, 404
+        ``unknown_checkpoint``, 409 ``checkpoint_unverified``, 503 ``reload_failed``."""
+        version, run = body.get("version"), body.get("run")
+        if not isinstance(version, int) or isinstance(version, bool) or (run is not None and not isinstance(run, str)):
+            return 400, {"error": "bad_request", "detail": 'expected {"run": str (optional), "version": int}'}
+        try:
+            return 200, await self.pin(run, version)
+        except CheckpointNotFound as exc:
+            return 404, {"error": "unknown_checkpoint", "detail": str(exc)}
+        except checkpoint.CheckpointError as exc:
+            return 409, {"error": "checkpoint_unverified", "detail": str(exc)}
+        except RuntimeError as exc:
+            return 503, {"error": "reload_failed", "detail": str(exc)}
+
+    async def http_unpin(self, _body: dict) -> tuple[int, dict]:
+        """``POST /admin/unpin``: 200 status."""
+        return 200, await self.unpin()
 
     async def _apply(self, entry: dict) -> bool:
         """Reload ``self.target`` into vLLM and post its version to the proxy (caller holds
         the lock). On failure: unsynced, proxy told so, next attempt after a backoff."""
-        t = dict(self.target)
+        t = dict(self.want())
         t0 = time.perf_counter()
         try:
             await reload_vllm(self.vllm_url, t["dir"], pause_mode=self.cfg.pause_mode,
@@ -228,12 +443,12 @@ class Reloader:
             if action == "lost":
                 self.vllm_synced = False
                 log.warning("vLLM at %s unreachable; v%d must be reloaded when it is back", self.vllm_url,
-                            self.target["version"])
-                self.history.append({"version": self.target["version"], "event": "vllm_lost",
+                            self.want()["version"])
+                self.history.append({"version": self.want()["version"], "event": "vllm_lost",
                                      "at_ms": int(time.time() * 1000)})
                 await notify_proxy_unsynced(self.proxy_url, "vllm_unreachable")
             elif action == "apply":
-                entry = {"version": self.target["version"], "uri": self.target["uri"], "event": "reapply",
+                entry = {"version": self.want()["version"], "uri": self.want()["uri"], "event": "reapply",
                          "verified": True, "reloaded": False, "reload_s": None, "error": None,
                          "at_ms": int(time.time() * 1000)}
                 self.history.append(entry)
@@ -258,7 +473,9 @@ class Reloader:
         from schemas.codec import SchemaError, decode
 
         http = await start_http(self.settings.host, self.settings.reloader_port, self.status,
-                                {"/policy": self.policy}) if self.cfg.http else None
+                                {"/policy": self.policy},
+                                {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin}) \
+            if self.cfg.http else None
         consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
                                     isolation_level="read_committed", enable_auto_commit=False, group_id=None)
         await consumer.start()
@@ -288,6 +505,8 @@ class Reloader:
                         except SchemaError as exc:
                             log.error("undecodable announcement at offset %d: %s", m.offset, exc)
                             continue
+                        if ann.get("event", "published") != "published":
+                            continue  # a release-gate decision (ours), not a new checkpoint
                         (backlog if catching_up else todo).append(ann)
                 if catching_up and all([await consumer.position(tp) >= end[tp] for tp in tps]):
                     catching_up = False
@@ -313,6 +532,34 @@ class Reloader:
             await consumer.stop()
             if http is not None:
                 await http.cleanup()
+
+
+async def announce_decision(settings, topic: str, ann: dict, record: dict) -> None:
+    """A ``checkpoints`` record of the gate's decision on announcement ``ann``: the same
+    run/version/uri/manifest, ``event`` served | refused, ``detail`` the decision as JSON,
+    the decision's numbers as ``metrics``."""
+    import json
+
+    from aiokafka import AIOKafkaProducer
+
+    from schemas.codec import encode
+
+    d = record["decision"]
+    out = {**{k: ann[k] for k in ("run", "version", "uri", "step", "parent_version", "manifest_sha256")},
+           "created_ms": int(time.time() * 1000), "event": "served" if d["accept"] else "refused",
+           "detail": json.dumps(record, sort_keys=True),
+           "metrics": {"gate_accept": float(d["accept"]), "gate_difference": float(d["difference"]["estimate"]),
+                       "gate_difference_low": float(d["difference"]["low"]),
+                       "gate_difference_high": float(d["difference"]["high"]),
+                       "gate_incumbent_mean": float(d["incumbent_mean"]),
+                       "gate_candidate_mean": float(d["candidate_mean"]), "gate_tasks": float(d["tasks"])}}
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True,
+                                request_timeout_ms=30000)
+    try:
+        await producer.start()
+        await asyncio.wait_for(producer.send_and_wait(topic, encode("checkpoint", out), key=ann["run"].encode()), 60)
+    finally:
+        await producer.stop()
 
 
 async def reload_vllm(vllm_url: str, weights_dir: Path, pause_mode: str = "wait", timeout_s: float = 600.0) -> None:

@@ -64,6 +64,8 @@ class TrainerConfig(BaseSettings):
     lr: float = 1e-5
     weight_decay: float = 0.0
     clip_eps: float = 0.2
+    #: how tokens are weighed in the loss: token_mean | per_rollout_mean (losses.sequence_loss_weights)
+    loss_agg: str = "token_mean"
     kl_coef: float = 0.0  # KL to the behaviour policy is not used; ref-model KL is not loaded (0 = off)
     grad_clip: float = 1.0
     ppo_epochs: int = 1
@@ -164,9 +166,10 @@ def load_model(model_dir: Path):
 
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
                  pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0,
-                 micro_batch_tokens: int | None = None) -> dict:
+                 micro_batch_tokens: int | None = None, loss_agg: str = "token_mean") -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` optimizer steps, each over all
-    samples, micro-batched; returns metrics of the update."""
+    samples, micro-batched; ``loss_agg`` weighs tokens (``losses.sequence_loss_weights``:
+    token_mean or per_rollout_mean); returns metrics of the update."""
     t0 = time.perf_counter()
     if algorithm == "reinforce_pp":
         returns = torch.tensor([s["transition"]["episode_return"] for s in samples])
@@ -177,11 +180,13 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         raise ValueError(f"unknown algorithm {algorithm!r}")
     if micro_batch_tokens:  # pack by padded tokens, longest first
         groups = batching.token_budget_batches(samples, micro_batch_tokens, micro_batch)
-        chunks = [batching.collate([samples[i] for i in g], pad_token_id, [advantages[i] for i in g]) for g in groups]
     else:
-        chunks = [batching.collate(mb, pad_token_id, adv)
-                  for mb, adv in zip(batching.micro_batches(samples, micro_batch),
-                                     batching.micro_batches(advantages, micro_batch))]
+        groups = batching.micro_batches(list(range(len(samples))), micro_batch)
+    chunks = [batching.collate([samples[i] for i in g], pad_token_id, [advantages[i] for i in g]) for g in groups]
+    seq_w = losses.sequence_loss_weights(
+        [(s["transition"].get("rollout_id", i), s["transition"].get("attempt_id")) for i, s in enumerate(samples)],
+        [len(s["transition"]["completion_token_ids"]) for s in samples], loss_agg)
+    chunk_w = [torch.tensor([seq_w[i] for i in g], dtype=torch.float32) for g in groups]
     n_tokens = sum(b.num_completion_tokens for b in chunks)
     device = engine.device
     engine.train()
@@ -192,16 +197,18 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
             b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
                                                         b.behaviour_logprobs, b.advantages, b.returns)))
+            token_w = b.completion_mask * chunk_w[i].to(device)[:, None]  # [B, T]
             # logits only over the trailing window that predicts completion tokens
             # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
             K = batching.completion_window(b)
             logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask, logits_to_keep=K).logits
             b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
                                b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
+            token_w = token_w[:, -K:]
             logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
-            # token mean over the whole update: normalise by the update's completion tokens
+            # weights of the whole update sum to 1 (token mean, or per-rollout mean)
             loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
-                                        clip_eps=clip_eps, normaliser=float(n_tokens), kl_coef=kl_coef)
+                                        clip_eps=clip_eps, kl_coef=kl_coef, token_weights=token_w)
             engine.backward(loss, scale_wrt_gas=False)
             with torch.no_grad():
                 w = b.num_completion_tokens / n_tokens
@@ -221,6 +228,11 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         "mean_return": sum(s["transition"]["episode_return"] for s in samples) / len(samples),
         "mean_reward": sum(s["transition"]["reward"] for s in samples) / len(samples),
         "mean_advantage": sum(advantages) / len(advantages),
+        # the advantage as the loss weighs it (token_mean: the token-weighted mean)
+        "weighted_advantage": sum(w * a * len(s["transition"]["completion_token_ids"])
+                                  for w, a, s in zip(seq_w, advantages, samples)),
+        "zero_advantage_fraction": sum(1 for a in advantages if abs(a) < 1e-9) / len(advantages),
+        "loss_agg": loss_agg,
         "samples": len(samples),
         "completion_tokens": n_tokens,
         "tokens": total_tokens,
@@ -271,7 +283,8 @@ class TrainerState:
 
 
 async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]:
-    """Every CheckpointAnnouncement of ``run`` currently on ``topic`` (read_committed)."""
+    """Every CheckpointAnnouncement of ``run`` currently on ``topic`` (read_committed), event
+    ``published`` only (the release gate's served/refused records are left out)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from schemas.codec import decode
@@ -293,7 +306,9 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
             for msgs in batch.values():
                 for m in msgs:
                     if m.key is not None and m.key.decode() == run:
-                        out.append(decode("checkpoint", m.value))
+                        ann = decode("checkpoint", m.value)
+                        if ann.get("event", "published") == "published":  # not a release-gate decision
+                            out.append(ann)
     finally:
         await consumer.stop()
     return out
@@ -586,7 +601,7 @@ class Trainer:
             train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
             micro_batch_tokens=self.cfg.micro_batch_tokens,
             ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
-            kl_coef=self.cfg.kl_coef)
+            kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg)
         before = dict(self.state.trained_offsets)
         for p, off, _ in head:
             key = f"{self.cfg.samples_topic}:{p}"
@@ -613,9 +628,12 @@ class Trainer:
 
 # ---- HTTP /health and /status ---------------------------------------------------------
 
-async def start_http(host: str, port: int, status_fn, routes: dict | None = None):
+async def start_http(host: str, port: int, status_fn, routes: dict | None = None,
+                     post_routes: dict | None = None):
     """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn(),
-    and GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route."""
+    GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route, and
+    POST PATH -> ``await post_routes[PATH](body)`` -> ``(http status, JSON-able dict)`` with
+    the request's JSON object as ``body`` (a body that is not a JSON object: 400 invalid_json)."""
     from aiohttp import web
 
     async def health(_):
@@ -629,11 +647,26 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
             return web.json_response(await fn())
         return h
 
+    def post_handler(fn):
+        async def h(request):
+            try:
+                body = await request.json() if request.can_read_body else {}
+            except ValueError as exc:
+                body = exc
+            if not isinstance(body, dict):
+                return web.json_response({"error": "invalid_json", "detail": "the body must be a JSON object"},
+                                         status=400)
+            code, answer = await fn(body)
+            return web.json_response(answer, status=code)
+        return h
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
     for path, fn in (routes or {}).items():
         app.router.add_get(path, handler(fn))
+    for path, fn in (post_routes or {}).items():
+        app.router.add_post(path, post_handler(fn))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -34,6 +34,8 @@ from typing import Any
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.messages import TextMessage
 from autogen_core import CancellationToken
+from autogen_core.model_context import UnboundedChatCompletionContext
+from autogen_core.models import AssistantMessage, UserMessage
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from .calc import calculate
@@ -58,6 +60,21 @@ SYSTEM_PROMPT = (
     "Answer: 31"
 )
 NUDGE = "What is the final answer? Reply exactly as: Answer: <number>"
+
+#: worked episodes the agent starts every conversation with (AutoGen model context
+#: ``initial_messages``): a 135M model follows demonstrated turns far more often than an
+#: instruction. Hand-written; no generated task (training or held out) uses pens or stickers.
+FEW_SHOT = [
+    ("user", "Question: A box holds 24 pens. How many pens are in 37 boxes?\nEnd with: Answer: <number>"),
+    ("assistant", "<calc>24*37</calc>"),
+    ("user", "<result>888</result>"),
+    ("assistant", "Answer: 888"),
+    ("user", "Question: Mia had 512 stickers and gave away 178. How many stickers are left?\n"
+             "End with: Answer: <number>"),
+    ("assistant", "<calc>512-178</calc>"),
+    ("user", "<result>334</result>"),
+    ("assistant", "Answer: 334"),
+]
 
 CALC_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL | re.IGNORECASE)
 
@@ -111,6 +128,7 @@ async def run_episode(
     base_url: str,
     *,
     max_turns: int = MAX_TURNS,
+    few_shot: bool = True,
     **client_overrides: Any,
 ) -> dict[str, Any]:
     """Run one episode of ``task`` against ``base_url``; score the final text.
@@ -120,14 +138,20 @@ async def run_episode(
     :func:`make_client` (tests pass an ``http_client`` with a mock transport).
     """
     client = make_client(base_url, **client_overrides)
+    shots = FEW_SHOT if few_shot else []
+    context = UnboundedChatCompletionContext(initial_messages=[
+        UserMessage(content=text, source="user") if role == "user" else AssistantMessage(content=text, source="math_agent")
+        for role, text in shots])
     agent = AssistantAgent(
         name="math_agent",
         model_client=client,
         system_message=SYSTEM_PROMPT,
+        model_context=context,
         description="Solves GSM-style word problems with a text calculator tool.",
     )
     token = CancellationToken()
     transcript: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    transcript += [{"role": role, "content": text, "few_shot": "1"} for role, text in shots]
     message = user_prompt(task)
     final_text = ""
     calls = tool_calls = tool_errors = 0

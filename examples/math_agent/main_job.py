@@ -10,12 +10,19 @@ One iteration (LightningRL training loop, arXiv 2508.03680 §3.4, run through Ka
 
 The job waits for each stage by reading the topics themselves (never by sleeping a
 guessed time), and writes ``results/summary.json`` and ``results/reward_curve.png``.
+
+Learning is measured on tasks never trained on: before iteration 0 the base policy and
+after the last iteration the final checkpoint are evaluated (``infra/evaluation.py``,
+greedy, on the evaluation topics) on ``heldout_tasks`` problems of ``heldout_seed``
+(training uses ``seed``; the two sets share no question), with 95% intervals and the
+paired difference final - base (``results/heldout.json`` / ``.png``).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,18 +38,38 @@ from schemas import decode
 from schemas import topics as T
 
 
+#: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
+#: at start-up, so they apply when the demo starts the stack; an environment value wins).
+#: Chosen in LEARNING.md: lr 1e-5 (the trainer's default) moves this 135M policy too little
+#: in a 30-minute run.
+DEMO_TRAINER_ENV = {
+    "SPANRL_TRAINER_LR": "1e-4",
+    "SPANRL_TRAINER_MIN_BATCH": "24",
+    "SPANRL_TRAINER_MAX_BATCH": "48",
+    "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
+    "SPANRL_TRAINER_LOSS_AGG": "token_mean",
+}
+
+
 @dataclass
 class MainJobConfig:
-    """Size of the main job. ``stage_timeout_s`` bounds each wait (samples, checkpoint)."""
+    """Size of the main job. ``stage_timeout_s`` bounds each wait (samples, checkpoint).
 
-    iterations: int = 3
-    tasks_per_iteration: int = 3
-    group_size: int = 4
-    task_pool: int = 8
+    Training tasks: ``tasks_per_iteration`` new tasks of ``task_set``/``seed`` per iteration
+    (iteration i takes items ``i*T .. (i+1)*T-1``), each run ``group_size`` times. Held out:
+    ``heldout_tasks`` tasks of ``heldout_seed``, evaluated greedily before and after
+    (``heldout_tasks = 0``: no evaluation)."""
+
+    iterations: int = 4
+    tasks_per_iteration: int = 6
+    group_size: int = 6
+    task_set: str = "arith_word"
     seed: int = 0
+    heldout_seed: int = 1000
+    heldout_tasks: int = 200
     concurrency: int = 8
     rollout_timeout_s: float = 180.0
-    stage_timeout_s: float = 600.0
+    stage_timeout_s: float = 900.0
     out_dir: Path = Path("results")
 
 
@@ -57,6 +84,11 @@ class IterationResult:
     dead_letter_reasons: dict = field(default_factory=dict)
     mean_reward: float = 0.0
     format_rate: float = 0.0
+    correct_rate: float = 0.0
+    tool_use_rate: float = 0.0
+    #: GRPO groups (tasks) whose rollouts all got the same reward: zero advantage, no signal
+    zero_variance_groups: int = 0
+    groups: int = 0
     policy_versions_served: list = field(default_factory=list)
     checkpoint_version: int | None = None
     checkpoints_announced: list = field(default_factory=list)
@@ -129,8 +161,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     reader = TopicReader(s, [T.ROLLOUTS, T.REWARDS, T.TRANSITIONS, T.SAMPLES, T.DEAD_LETTER, T.CHECKPOINTS])
     await reader.start()
     version_before = _served_version(s)
-    start = (it * cfg.tasks_per_iteration) % len(pool)
-    tasks = [pool[(start + i) % len(pool)] for i in range(cfg.tasks_per_iteration)]
+    tasks = pool[it * cfg.tasks_per_iteration:(it + 1) * cfg.tasks_per_iteration]
     now_ms = int(time.time() * 1000)
     await publish_tasks([
         {"task_id": t["task_id"], "payload": json.dumps(t), "group_size": cfg.group_size,
@@ -151,6 +182,16 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     checkpoints: list[int] = []
     samples_next: dict[int, int] = {}
 
+    ours: set[str] = set()  # this job's rollout ids (what the runner started): count only these
+    episodes: dict[str, dict] = {}
+
+    def note_results() -> None:
+        for group in (run_task.result() if run_task.done() and not run_task.exception() else []):
+            for a in group:
+                ours.add(a.rollout_id)
+                if isinstance(a.result, dict):
+                    episodes[a.rollout_id] = a.result
+
     def absorb(records):
         for topic, rec, partition, offset in records:
             if topic == T.ROLLOUTS.name and rec["status"] != "started":
@@ -168,7 +209,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
                 samples_next[partition] = max(samples_next.get(partition, 0), offset + 1)
             elif topic == T.DEAD_LETTER.name:
                 dead.append(rec)
-            elif topic == T.CHECKPOINTS.name:
+            elif topic == T.CHECKPOINTS.name and rec.get("event", "published") == "published":
                 checkpoints.append(rec["version"])
 
     run_task = asyncio.create_task(runner.run(max_tasks=cfg.tasks_per_iteration))
@@ -177,7 +218,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     while time.monotonic() < deadline:
         absorb(await reader.poll())
         progress.update(bar, completed=len(ended))
-        ours = set(ended)
+        note_results()
         sampled = {x["transition"]["rollout_id"] for x in samples}
         dead_ids = {d["rollout_id"] for d in dead if d.get("rollout_id")}
         if run_task.done() and len(ours) >= n_rollouts and ours <= (sampled | dead_ids):
@@ -204,6 +245,13 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
             progress.console.print(f"[yellow]iteration {it}: training/reload stage timed out[/yellow]")
     await reader.stop()
 
+    # only this job's records: the topics also hold other runs' (e.g. late dead letters of
+    # attempts a test run left behind)
+    note_results()
+    ended = {r: v for r, v in ended.items() if r in ours}
+    transitions = {r: v for r, v in transitions.items() if r in ours}
+    samples = [x for x in samples if x["transition"]["rollout_id"] in ours]
+    dead = [d for d in dead if d.get("rollout_id") in ours]
     res.rollouts = len(ended)
     res.rollout_ids = sorted(ended)
     res.rollouts_failed = sum(1 for v in ended.values() if v != "succeeded")
@@ -213,8 +261,17 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     for d in dead:
         res.dead_letter_reasons[d["reason"]] = res.dead_letter_reasons.get(d["reason"], 0) + 1
     vals = [rewards.get(r, 0.0) for r in ended]
+    n_ended = max(1, len(ended))
     res.mean_reward = sum(vals) / len(vals) if vals else 0.0
-    res.format_rate = (sum(1 for r in ended if components.get(r, {}).get("format", 0) > 0) / len(ended)) if ended else 0.0
+    res.format_rate = sum(1 for r in ended if components.get(r, {}).get("format", 0) > 0) / n_ended
+    res.correct_rate = sum(1 for r in ended if components.get(r, {}).get("correct", 0) > 0) / n_ended
+    res.tool_use_rate = sum(1 for r in ended if episodes.get(r, {}).get("tool_calls", 0) > 0) / n_ended
+    by_task: dict[str, list[float]] = {}
+    for group in run_task.result():
+        for a in group:
+            by_task.setdefault(a.task_id, []).append(rewards.get(a.rollout_id, 0.0))
+    res.groups = len(by_task)
+    res.zero_variance_groups = sum(1 for v in by_task.values() if max(v) == min(v))
     res.policy_versions_served = sorted({t["policy_version"] for v in transitions.values() for t in v})
     res.checkpoint_version = checkpoint_version
     res.checkpoints_announced = checkpoints
@@ -237,15 +294,37 @@ def _logprob_under_served(s: Settings, prompt_ids: list[int], completion_ids: li
     return total
 
 
+def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, name: str, console) -> dict:
+    from infra.evaluation import EvalConfig, evaluate
+
+    ecfg = EvalConfig(policies=[spec], task_set=cfg.task_set, seed=cfg.heldout_seed, tasks=cfg.heldout_tasks,
+                      samples=1, temperature=0.0, concurrency=cfg.concurrency, out_dir=cfg.out_dir, name=name)
+    return evaluate(ecfg, settings=s, console=console, write=False)
+
+
 def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: Console | None = None) -> dict:
-    """Run ``cfg.iterations`` iterations; write summary.json and reward_curve.png; return the summary."""
-    from examples.math_agent.tasks import load_tasks
+    """Evaluate the base policy on the held-out tasks, run ``cfg.iterations`` iterations,
+    evaluate the final policy on the same held-out tasks; write summary.json,
+    reward_curve.png, heldout.json and heldout.png; return the summary."""
+    from examples.math_agent.tasks import disjoint, load_task_set
+    from infra.evaluation import merge_reports, write_report
 
     s = settings or get_settings()
     console = console or Console()
-    pool = load_tasks(seed=cfg.seed, size=cfg.task_pool)
+    pool = load_task_set(cfg.task_set, cfg.seed, cfg.iterations * cfg.tasks_per_iteration)
+    if cfg.heldout_tasks > 0:
+        heldout = load_task_set(cfg.task_set, cfg.heldout_seed, cfg.heldout_tasks)
+        if not disjoint(pool, heldout):
+            raise ValueError(f"training seed {cfg.seed} and held-out seed {cfg.heldout_seed} share questions")
     results: list[IterationResult] = []
     t_start = time.monotonic()
+    base_report = None
+    if cfg.heldout_tasks > 0:
+        if _served_version(s) != 0:
+            console.print("[yellow]the stack serves a trained version: the base evaluation pins the base "
+                          "model (version 0) for its duration[/yellow]")
+        base_report = _heldout_eval(cfg, s, "base", "heldout", console)
+    t_train = time.monotonic()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
         bar = progress.add_task("starting", total=None)
@@ -254,13 +333,16 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             results.append(res)
             progress.console.print(
                 f"iter {it}: rollouts={res.rollouts} transitions={res.transitions} samples={res.samples} "
-                f"dead={res.dead_letters} reward={res.mean_reward:.3f} format={res.format_rate:.2f} "
+                f"dead={res.dead_letters} reward={res.mean_reward:.3f} correct={res.correct_rate:.2f} "
+                f"format={res.format_rate:.2f} tool={res.tool_use_rate:.2f} "
+                f"zero-variance groups={res.zero_variance_groups}/{res.groups} "
                 f"served={res.policy_versions_served} -> checkpoint v{res.checkpoint_version} ({res.wall_s}s)")
+    train_s = time.monotonic() - t_train
 
     # Did the served policy change? Mean per-token log-prob of iteration 0's completions
     # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
     shift = {}
-    first = [x for x in results[0]._samples if x["transition"]["completion_token_ids"]]
+    first = [x for x in results[0]._samples if x["transition"]["completion_token_ids"]] if results else []
     for sign, keep in (("positive", lambda a: a > 0), ("negative", lambda a: a < 0)):
         chosen = [x for x in first if keep(x["advantage"])][:8]
         if not chosen:
@@ -272,42 +354,93 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         shift[sign] = {"completions": len(chosen), "tokens": n_tok, "mean_logprob_behaviour": before,
                        "mean_logprob_final": after, "delta": after - before}
 
+    final_version = _served_version(s)
+    heldout = None
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    if base_report is not None:
+        final_spec = f"{s.run}:{final_version}" if final_version > 0 else "base"
+        if final_spec == "base":
+            console.print("[yellow]no checkpoint was served: the final policy is the base model[/yellow]")
+            heldout = base_report
+        else:
+            heldout = merge_reports(base_report, _heldout_eval(cfg, s, final_spec, "heldout", console))
+        write_report(heldout, out, "heldout")
     summary = {
         "run": s.run,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "trainer_env": {k: os.environ.get(k, v) for k, v in DEMO_TRAINER_ENV.items()},
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
-        "final_served_version": _served_version(s),
+        "final_served_version": final_version,
         "logprob_shift_of_iteration0_completions": shift,
+        "heldout": _heldout_summary(heldout),
+        "training_wall_s": round(train_s, 1),
         "wall_s": round(time.monotonic() - t_start, 1),
-        "paths": {"summary": str(out / "summary.json"), "reward_curve": str(out / "reward_curve.png")},
+        "paths": {"summary": str(out / "summary.json"), "reward_curve": str(out / "reward_curve.png"),
+                  **({"heldout": str(out / "heldout.json"), "heldout_png": str(out / "heldout.png")}
+                     if heldout else {})},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    _plot(results, out / "reward_curve.png")
+    _plot(results, summary["heldout"], out / "reward_curve.png")
     return summary
 
 
-def _plot(results: list[IterationResult], path: Path) -> None:
+def _heldout_summary(report: dict | None) -> dict | None:
+    """The held-out numbers people look for (the per-episode lists stay in heldout.json)."""
+    if report is None:
+        return None
+    keys = ("episodes", "tasks", "failed_attempts", "mean_reward", "success_rate", "format_rate", "tool_use_rate",
+            "mean_llm_calls", "wall_s")
+    return {"task_set": report["config"]["task_set"], "seed": report["config"]["seed"],
+            "policies": {p: {k: r.get(k) for k in keys} for p, r in report["policies"].items()},
+            "paired": report["paired"]}
+
+
+def _plot(results: list[IterationResult], heldout: dict | None, path: Path) -> None:
+    """Left: training rollouts per iteration (reward, correct, format). Right: held-out
+    base vs final with 95% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     xs = [r.iteration for r in results]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(xs, [r.mean_reward for r in results], marker="o", label="mean reward")
+    ax.plot(xs, [r.correct_rate for r in results], marker="^", label="correct rate")
     ax.plot(xs, [r.format_rate for r in results], marker="s", linestyle="--", label="answer-format rate")
     for r in results:
         ax.annotate(f"v{r.policy_versions_served[-1] if r.policy_versions_served else '?'}",
                     (r.iteration, r.mean_reward), textcoords="offset points", xytext=(0, 6), fontsize=8)
     ax.set_xticks(xs)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("reward")
-    ax.set_title("spanrl main job: calculator math agent (gsm_symbolic)")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("iteration (training rollouts, sampled)")
+    ax.set_ylabel("rate / reward")
+    ax.set_title("training: calculator math agent", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    if heldout:
+        pols = list(heldout["policies"])
+        for j, (label, key) in enumerate((("reward", "mean_reward"), ("correct", "success_rate"))):
+            for i, p in enumerate(pols):
+                iv = heldout["policies"][p].get(key)
+                if not iv:
+                    continue
+                x = j + (i - (len(pols) - 1) / 2) * 0.35
+                bx.bar(x, iv["estimate"], 0.35, yerr=[[iv["estimate"] - iv["low"]], [iv["high"] - iv["estimate"]]],
+                       capsize=3, color=f"C{i}", label=p if j == 0 else None)
+        bx.set_xticks([0, 1], ["mean reward", "correct rate"])
+        bx.set_ylim(0, 1.05)
+        title = f"held out ({heldout['task_set']} seed {heldout['seed']}, greedy)"
+        for k, d in heldout["paired"].items():
+            iv = d["success_rate"]
+            title += f"\ncorrect, final - base: {iv['estimate']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
+        bx.set_title(title, fontsize=9)
+        bx.legend(fontsize=8)
+        bx.grid(axis="y", alpha=0.3)
+    else:
+        bx.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

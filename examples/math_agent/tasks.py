@@ -55,3 +55,92 @@ def short_question(task: dict[str, Any]) -> str:
     """The question without reasoning-gym's boiler-plate suffix (saves context)."""
     q = task["question"]
     return q[: -len(_RG_SUFFIX)] if q.endswith(_RG_SUFFIX) else q
+
+
+# ---- arithmetic word problems (the main job's default task set) ------------------------
+#
+# One- and two-step word problems whose numbers are too large to work out in one's head
+# (two- and three-digit operands), so the calculator is what gets them right: the
+# behaviour the paper's Calc-X agent learns (arXiv 2508.03680 s4.3) at a size a 135M model
+# can reach. Item ``idx`` of ``seed`` is built from ``random.Random(f"arith-{seed}-{idx}")``
+# (string seeds hash with SHA-512: the same on every machine and Python version).
+
+ARITH = "arith_word"
+#: the split the main job and ``spanrl eval`` use: training tasks come from TRAIN_SEED,
+#: held-out tasks from HELDOUT_SEED; ``disjoint`` checks no question is in both
+TRAIN_SEED = 0
+HELDOUT_SEED = 1000
+
+_NAMES = ["Ana", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jon", "Kira", "Liam",
+          "Mei", "Noah", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
+#: (container, its plural, what it holds)
+_ITEMS = [("box", "boxes", "pencils"), ("crate", "crates", "bottles"), ("bag", "bags", "marbles"),
+          ("shelf", "shelves", "books"), ("tray", "trays", "cupcakes"), ("carton", "cartons", "eggs"),
+          ("basket", "baskets", "apples"), ("pack", "packs", "cards")]
+
+
+def _arith_item(rng) -> tuple[str, int, str, str]:
+    """(question, answer, expression, kind) of one generated problem."""
+    name = rng.choice(_NAMES)
+    box, boxes, things = rng.choice(_ITEMS)
+    kind = rng.choice(["mul", "add", "sub", "div", "mul_sub", "mul_add"])
+    if kind == "mul":
+        a, b = rng.randint(12, 99), rng.randint(12, 99)
+        q = f"A {box} holds {a} {things}. How many {things} are in {b} {boxes}?"
+        return q, a * b, f"{a}*{b}", kind
+    if kind == "add":
+        a, b = rng.randint(120, 999), rng.randint(120, 999)
+        q = f"{name} had {a} {things} and got {b} more. How many {things} does {name} have now?"
+        return q, a + b, f"{a}+{b}", kind
+    if kind == "sub":
+        a = rng.randint(500, 999)
+        b = rng.randint(101, a - 50)
+        q = f"{name} had {a} {things} and gave away {b}. How many {things} are left?"
+        return q, a - b, f"{a}-{b}", kind
+    if kind == "div":
+        b, ans = rng.randint(12, 40), rng.randint(12, 60)
+        a = b * ans
+        q = f"{a} {things} are shared equally among {b} {boxes}. How many {things} go in each {box}?"
+        return q, ans, f"{a}/{b}", kind
+    a, b, c = rng.randint(12, 60), rng.randint(12, 60), rng.randint(10, 99)
+    if kind == "mul_sub":
+        q = f"{name} has {a} {boxes} of {b} {things} and gives away {c} {things}. How many {things} are left?"
+        return q, a * b - c, f"{a}*{b}-{c}", kind
+    q = f"{name} has {a} {boxes} of {b} {things} and finds {c} more {things}. How many {things} are there now?"
+    return q, a * b + c, f"{a}*{b}+{c}", kind
+
+
+def load_arith_tasks(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, Any]]:
+    """``size`` arithmetic word problems for ``seed`` (task dicts as :func:`load_tasks`).
+
+    ``task_id`` is ``arith_word-{seed}-{idx}``; ``answer`` a whole number as a string;
+    ``metadata`` has ``expression`` (what a calculator call would compute) and ``kind``
+    (mul, add, sub, div, mul_sub, mul_add). Deterministic and offline; a larger ``size``
+    extends the list. Raises ValueError for ``size <= 0``.
+    """
+    import random
+
+    if size <= 0:
+        raise ValueError("size must be positive")
+    tasks = []
+    for idx in range(size):
+        question, answer, expression, kind = _arith_item(random.Random(f"arith-{seed}-{idx}"))
+        tasks.append({"task_id": f"{ARITH}-{seed}-{idx}", "question": question, "answer": str(answer),
+                      "metadata": {"source_dataset": ARITH, "seed": seed, "source_index": idx,
+                                   "expression": expression, "kind": kind}})
+    return tasks
+
+
+TASK_SETS = {ARITH: load_arith_tasks, DATASET: load_tasks}
+
+
+def load_task_set(name: str, seed: int, size: int) -> list[dict[str, Any]]:
+    """Tasks of the named set (``arith_word`` or ``gsm_symbolic``); ValueError for another name."""
+    if name not in TASK_SETS:
+        raise ValueError(f"unknown task set {name!r}; known: {', '.join(TASK_SETS)}")
+    return TASK_SETS[name](seed=seed, size=size)
+
+
+def disjoint(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """True when no question (text) of ``a`` is also a question of ``b``."""
+    return not ({t["question"] for t in a} & {t["question"] for t in b})

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def main_job(stack, settings, tmp_path_factory):
-    cfg = MainJobConfig(iterations=2, tasks_per_iteration=2, group_size=2, concurrency=4,
+    cfg = MainJobConfig(iterations=2, tasks_per_iteration=2, group_size=2, concurrency=4, heldout_tasks=4,
                         stage_timeout_s=420, out_dir=tmp_path_factory.mktemp("results"))
     return run_main_job(cfg, settings)
 
@@ -33,6 +33,16 @@ def test_short_main_job(main_job, settings):
     # every rollout ran and ended; the summary files exist
     assert [it["rollouts"] for it in its] == [4, 4]
     assert Path(summary["paths"]["summary"]).exists() and Path(summary["paths"]["reward_curve"]).stat().st_size > 0
+    # held out: base before, the final served version after, on the same 4 tasks, paired
+    held = summary["heldout"]
+    final = f"{settings.run}:{summary['final_served_version']}"
+    assert list(held["policies"]) == ["base", final] and held["seed"] == 1000
+    assert all(p["episodes"] == 4 and p["mean_reward"]["low"] <= p["mean_reward"]["high"]
+               for p in held["policies"].values())
+    assert held["paired"][f"{final} - base"]["tasks"] == 4
+    assert Path(summary["paths"]["heldout"]).exists() and Path(summary["paths"]["heldout_png"]).stat().st_size > 0
+    # this job's records only, and the groups' reward spread is reported
+    assert all(it["groups"] == 2 and 0 <= it["zero_variance_groups"] <= 2 for it in its)
 
     bootstrap = settings.kafka_bootstrap
     spans = [s for s in asyncio.run(read_topic(bootstrap, T.SPANS)) if s["rollout_id"] in ours]

@@ -87,3 +87,35 @@ def test_micro_batching_equals_one_batch():
             assert torch.allclose(a, b, atol=1e-5), n
     changed = any(not torch.equal(a, b) for a, b in zip(base.parameters(), e_big.module.parameters()))
     assert changed
+
+
+def test_per_rollout_mean_weighs_rollouts_equally():
+    """per_rollout_mean: the same step as token_mean when every rollout has one call of equal
+    length (the weights coincide); a different step when one rollout has more calls."""
+    gen = torch.Generator().manual_seed(2)
+    base = tiny_model(2)
+    samples, _ = rollout(base, gen, 0)
+    for i, s in enumerate(samples):
+        s["transition"]["rollout_id"], s["transition"]["attempt_id"] = f"r{i}", "0"
+    e_tok = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
+    e_roll = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
+    m_tok = train_update(e_tok, samples, micro_batch=64)
+    m_roll = train_update(e_roll, samples, micro_batch=64, loss_agg="per_rollout_mean")
+    assert m_roll["loss"] == pytest.approx(m_tok["loss"], abs=1e-6)
+    for (n, a), (_, b) in zip(e_tok.module.named_parameters(), e_roll.module.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6), n
+    # rollout r0 now owns the first 8 samples: its tokens weigh 1/8 as much each
+    for s in samples[:8]:
+        s["transition"]["rollout_id"] = "r0"
+    e_tok2 = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
+    e_roll2 = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
+    m_tok2 = train_update(e_tok2, samples, micro_batch=64)
+    m_roll2 = train_update(e_roll2, samples, micro_batch=64, loss_agg="per_rollout_mean")
+    assert m_tok2["loss"] == pytest.approx(m_tok["loss"], abs=1e-6)  # token mean ignores rollouts
+    for (n, a), (_, b) in zip(e_tok2.module.named_parameters(), e_tok.module.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6), n
+    # (the loss value itself is ~0 at ratio 1: GRPO advantages sum to 0 in each group)
+    moved = [not torch.allclose(a, b, atol=1e-6)
+             for a, b in zip(e_roll2.module.parameters(), e_tok2.module.parameters())]
+    assert any(moved)
+    assert m_roll2["loss_agg"] == "per_rollout_mean"

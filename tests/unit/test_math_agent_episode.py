@@ -71,7 +71,19 @@ def test_calc_then_answer():
     assert second[0]["role"] == "system" and "<calc>" in second[0]["content"]
     assert second[-1] == {"role": "user", "content": "<result>31</result>"}
     assert second[-2]["role"] == "assistant" and "<calc>3*12-5</calc>" in second[-2]["content"]
-    assert [m["role"] for m in result["transcript"]] == ["system", "user", "assistant", "user", "assistant"]
+    episode = [m for m in result["transcript"] if not m.get("few_shot")]
+    assert [m["role"] for m in episode] == ["system", "user", "assistant", "user", "assistant"]
+    # the worked examples come first, as real chat turns, before the question
+    first = reqs[0]["body"]["messages"]
+    shots = [{"role": r, "content": c} for r, c in ma.FEW_SHOT]
+    assert [{"role": m["role"], "content": m["content"]} for m in first[1:1 + len(shots)]] == shots
+    assert first[-1]["content"].startswith("Question: Tom has 3 bags")
+
+
+def test_without_few_shot_the_question_follows_the_system_prompt():
+    result, reqs = run(["Answer: 31"], few_shot=False)
+    assert [m["role"] for m in reqs[0]["body"]["messages"]] == ["system", "user"]
+    assert result["reward"] == 1.0
 
 
 def test_every_request_has_agent_header_and_sampling_args():

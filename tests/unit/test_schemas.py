@@ -56,16 +56,31 @@ def _close(a, b):
     return a == b
 
 
+#: record types whose newest schema is past v1, and the fields that version added (with defaults)
+NEWER = {"checkpoint": (2, {"event": "published", "detail": None})}
+
+
 @pytest.mark.parametrize("record_type", sorted(RECORDS))
 def test_round_trip(record_type):
     data = encode(record_type, RECORDS[record_type])
-    assert data[0] == codec.MAGIC and data[1:3] == b"\x00\x01"
+    version, added = NEWER.get(record_type, (1, {}))
+    assert data[0] == codec.MAGIC and data[1:3] == version.to_bytes(2, "big")
     back = decode(record_type, data)
-    assert back["schema_version"] == 1
+    assert back["schema_version"] == version
     back.pop("schema_version")
     if record_type == "sample":
         assert back["transition"].pop("schema_version") == 1
-    assert _close(RECORDS[record_type], back)
+    assert _close({**RECORDS[record_type], **added}, back)
+
+
+def test_checkpoint_v1_records_read_as_published():
+    """Announcements written before the release gate (v1) read as event=published."""
+    old = encode("checkpoint", RECORDS["checkpoint"], version=1)
+    assert old[1:3] == b"\x00\x01"
+    back = decode("checkpoint", old)
+    assert back["event"] == "published" and back["detail"] is None and back["schema_version"] == 1
+    gate = decode("checkpoint", encode("checkpoint", {**RECORDS["checkpoint"], "event": "refused", "detail": "{}"}))
+    assert (gate["event"], gate["detail"], gate["schema_version"]) == ("refused", "{}", 2)
 
 
 def test_every_topic_names_a_known_record():

@@ -131,3 +131,28 @@ def test_completion_window_covers_every_completion_token():
     b = batching.collate([_sized_sample(3, 2), _sized_sample(5, 1)])  # T = 6; completions at [3,4] and [5]
     assert batching.completion_window(b) == 6 - 2  # positions 2..5: position 2 predicts token 3
     assert float(b.completion_mask[:, -4:].sum()) == float(b.completion_mask.sum())
+
+
+def test_sequence_loss_weights_hand_computed():
+    # rollouts a (two calls of 2 tokens) and b (one call of 4): 8 tokens
+    assert losses.sequence_loss_weights(["a", "a", "b"], [2, 2, 4]) == [1 / 8] * 3
+    assert losses.sequence_loss_weights(["a", "a", "b"], [2, 2, 4], "per_rollout_mean") == [1 / 8] * 3
+    # a: 1 + 1 tokens, b: 6 tokens. token mean: 1/8 each; per rollout: a's tokens 1/(2*2), b's 1/(2*6)
+    assert losses.sequence_loss_weights(["a", "a", "b"], [1, 1, 6], "per_rollout_mean") == [1 / 4, 1 / 4, 1 / 12]
+    # the weights of all tokens sum to 1 either way
+    for agg in losses.LOSS_AGGREGATIONS:
+        w = losses.sequence_loss_weights(["x", "y", "y", "z"], [3, 5, 7, 1], agg)
+        assert sum(wi * n for wi, n in zip(w, [3, 5, 7, 1])) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        losses.sequence_loss_weights(["a"], [1], "sequence_mean")
+    with pytest.raises(ValueError):
+        losses.sequence_loss_weights(["a", "b"], [1], "token_mean")
+
+
+def test_ppo_clip_loss_token_weights():
+    # uniform weights 1/4 on the 4 completion tokens = the token mean (0.05, above)
+    w = MASK / 4
+    assert losses.ppo_clip_loss(LOGP, BEHAVIOUR, ADV * MASK, MASK, token_weights=w).item() == pytest.approx(0.05)
+    # per-sequence weights: seq 0 tokens 1/2 each (-1.2, -0.9), seq 1 nothing -> -1.05
+    w = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    assert losses.ppo_clip_loss(LOGP, BEHAVIOUR, ADV * MASK, MASK, token_weights=w).item() == pytest.approx(-1.05)
