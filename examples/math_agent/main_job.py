@@ -12,10 +12,12 @@ The job waits for each stage by reading the topics themselves (never by sleeping
 guessed time), and writes ``results/summary.json`` and ``results/reward_curve.png``.
 
 Learning is measured on tasks never trained on: before iteration 0 the base policy and
-after the last iteration the final checkpoint are evaluated (``infra/evaluation.py``,
-greedy, on the evaluation topics) on ``heldout_tasks`` problems of ``heldout_seed``
-(training uses ``seed``; the two sets share no question), with 95% intervals and the
-paired difference final - base (``results/heldout.json`` / ``.png``).
+after the last iteration the final checkpoint are evaluated (``infra/evaluation.py``, on
+the evaluation topics) on ``heldout_tasks`` problems of ``heldout_seed`` (training uses
+``seed``; the two sets share no question), each in two modes: ``sampled`` (the agent's own
+sampling, temperature 1.0: the agent as it runs) and ``greedy`` (temperature 0: the
+policy's mode), with 95% intervals and the paired difference final - base
+(``results/heldout-<mode>.json`` / ``.png``).
 """
 from __future__ import annotations
 
@@ -57,8 +59,9 @@ class MainJobConfig:
 
     Training tasks: ``tasks_per_iteration`` new tasks of ``task_set``/``seed`` per iteration
     (iteration i takes items ``i*T .. (i+1)*T-1``), each run ``group_size`` times. Held out:
-    ``heldout_tasks`` tasks of ``heldout_seed``, evaluated greedily before and after
-    (``heldout_tasks = 0``: no evaluation)."""
+    ``heldout_tasks`` tasks of ``heldout_seed``, evaluated before and after in each of
+    ``heldout_modes`` (``sampled``: the agent's own sampling; ``greedy``: temperature 0;
+    ``heldout_tasks = 0``: no evaluation)."""
 
     iterations: int = 4
     tasks_per_iteration: int = 6
@@ -67,6 +70,7 @@ class MainJobConfig:
     seed: int = 0
     heldout_seed: int = 1000
     heldout_tasks: int = 200
+    heldout_modes: tuple = ("sampled", "greedy")
     concurrency: int = 8
     rollout_timeout_s: float = 180.0
     stage_timeout_s: float = 900.0
@@ -294,18 +298,25 @@ def _logprob_under_served(s: Settings, prompt_ids: list[int], completion_ids: li
     return total
 
 
-def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, name: str, console) -> dict:
+#: held-out evaluation modes: the temperature every call gets (None: the agent's own)
+HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
+
+
+def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console) -> dict:
     from infra.evaluation import EvalConfig, evaluate
 
+    if mode not in HELDOUT_MODES:
+        raise ValueError(f"unknown held-out mode {mode!r}; known: {', '.join(HELDOUT_MODES)}")
     ecfg = EvalConfig(policies=[spec], task_set=cfg.task_set, seed=cfg.heldout_seed, tasks=cfg.heldout_tasks,
-                      samples=1, temperature=0.0, concurrency=cfg.concurrency, out_dir=cfg.out_dir, name=name)
+                      samples=1, temperature=HELDOUT_MODES[mode], concurrency=cfg.concurrency,
+                      out_dir=cfg.out_dir, name=f"heldout-{mode}")
     return evaluate(ecfg, settings=s, console=console, write=False)
 
 
 def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: Console | None = None) -> dict:
     """Evaluate the base policy on the held-out tasks, run ``cfg.iterations`` iterations,
     evaluate the final policy on the same held-out tasks; write summary.json,
-    reward_curve.png, heldout.json and heldout.png; return the summary."""
+    reward_curve.png and heldout-<mode>.json/.png; return the summary."""
     from examples.math_agent.tasks import disjoint, load_task_set
     from infra.evaluation import merge_reports, write_report
 
@@ -318,12 +329,13 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             raise ValueError(f"training seed {cfg.seed} and held-out seed {cfg.heldout_seed} share questions")
     results: list[IterationResult] = []
     t_start = time.monotonic()
-    base_report = None
-    if cfg.heldout_tasks > 0:
-        if _served_version(s) != 0:
-            console.print("[yellow]the stack serves a trained version: the base evaluation pins the base "
-                          "model (version 0) for its duration[/yellow]")
-        base_report = _heldout_eval(cfg, s, "base", "heldout", console)
+    modes = list(cfg.heldout_modes) if cfg.heldout_tasks > 0 else []
+    base_reports = {}
+    if modes and _served_version(s) != 0:
+        console.print("[yellow]the stack serves a trained version: the base evaluation pins the base "
+                      "model (version 0) for its duration[/yellow]")
+    for mode in modes:
+        base_reports[mode] = _heldout_eval(cfg, s, "base", mode, console)
     t_train = time.monotonic()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
@@ -355,17 +367,16 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
                        "mean_logprob_final": after, "delta": after - before}
 
     final_version = _served_version(s)
-    heldout = None
+    heldout: dict[str, dict] = {}
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    if base_report is not None:
-        final_spec = f"{s.run}:{final_version}" if final_version > 0 else "base"
-        if final_spec == "base":
-            console.print("[yellow]no checkpoint was served: the final policy is the base model[/yellow]")
-            heldout = base_report
-        else:
-            heldout = merge_reports(base_report, _heldout_eval(cfg, s, final_spec, "heldout", console))
-        write_report(heldout, out, "heldout")
+    final_spec = f"{s.run}:{final_version}" if final_version > 0 else "base"
+    if modes and final_spec == "base":
+        console.print("[yellow]no checkpoint was served: the final policy is the base model[/yellow]")
+    for mode in modes:
+        heldout[mode] = base_reports[mode] if final_spec == "base" else \
+            merge_reports(base_reports[mode], _heldout_eval(cfg, s, final_spec, mode, console))
+        write_report(heldout[mode], out, f"heldout-{mode}")
     summary = {
         "run": s.run,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
@@ -374,69 +385,73 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
         "final_served_version": final_version,
         "logprob_shift_of_iteration0_completions": shift,
-        "heldout": _heldout_summary(heldout),
+        "heldout": {mode: _heldout_summary(r) for mode, r in heldout.items()},
         "training_wall_s": round(train_s, 1),
         "wall_s": round(time.monotonic() - t_start, 1),
         "paths": {"summary": str(out / "summary.json"), "reward_curve": str(out / "reward_curve.png"),
-                  **({"heldout": str(out / "heldout.json"), "heldout_png": str(out / "heldout.png")}
-                     if heldout else {})},
+                  **{f"heldout_{m}": str(out / f"heldout-{m}.json") for m in heldout},
+                  **{f"heldout_{m}_png": str(out / f"heldout-{m}.png") for m in heldout}},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(results, summary["heldout"], out / "reward_curve.png")
     return summary
 
 
-def _heldout_summary(report: dict | None) -> dict | None:
-    """The held-out numbers people look for (the per-episode lists stay in heldout.json)."""
-    if report is None:
-        return None
+def _heldout_summary(report: dict) -> dict:
+    """The held-out numbers people look for (the per-episode lists stay in heldout-<mode>.json)."""
     keys = ("episodes", "tasks", "failed_attempts", "mean_reward", "success_rate", "format_rate", "tool_use_rate",
             "mean_llm_calls", "wall_s")
     return {"task_set": report["config"]["task_set"], "seed": report["config"]["seed"],
+            "temperature": report["config"]["temperature"],
             "policies": {p: {k: r.get(k) for k in keys} for p, r in report["policies"].items()},
             "paired": report["paired"]}
 
 
-def _plot(results: list[IterationResult], heldout: dict | None, path: Path) -> None:
-    """Left: training rollouts per iteration (reward, correct, format). Right: held-out
-    base vs final with 95% intervals."""
+def _plot(results: list[IterationResult], heldout: dict, path: Path) -> None:
+    """Left: training rollouts per iteration (reward, correct, format, tool use). Right:
+    held-out correct rate of base and final per mode, with 95% intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     xs = [r.iteration for r in results]
     ax.plot(xs, [r.mean_reward for r in results], marker="o", label="mean reward")
     ax.plot(xs, [r.correct_rate for r in results], marker="^", label="correct rate")
     ax.plot(xs, [r.format_rate for r in results], marker="s", linestyle="--", label="answer-format rate")
+    ax.plot(xs, [r.tool_use_rate for r in results], marker="x", linestyle=":", label="calculator-use rate")
     for r in results:
         ax.annotate(f"v{r.policy_versions_served[-1] if r.policy_versions_served else '?'}",
                     (r.iteration, r.mean_reward), textcoords="offset points", xytext=(0, 6), fontsize=8)
     ax.set_xticks(xs)
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("iteration (training rollouts, sampled)")
-    ax.set_ylabel("rate / reward")
-    ax.set_title("training: calculator math agent", fontsize=10)
+    ax.set_xlabel("iteration (new training tasks, agent's own sampling)")
+    ax.set_ylabel("rate / mean reward")
+    ax.set_title("training rollouts: calculator math agent", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if heldout:
-        pols = list(heldout["policies"])
-        for j, (label, key) in enumerate((("reward", "mean_reward"), ("correct", "success_rate"))):
-            for i, p in enumerate(pols):
-                iv = heldout["policies"][p].get(key)
-                if not iv:
-                    continue
-                x = j + (i - (len(pols) - 1) / 2) * 0.35
-                bx.bar(x, iv["estimate"], 0.35, yerr=[[iv["estimate"] - iv["low"]], [iv["high"] - iv["estimate"]]],
-                       capsize=3, color=f"C{i}", label=p if j == 0 else None)
-        bx.set_xticks([0, 1], ["mean reward", "correct rate"])
+        modes = list(heldout)
+        title = []
+        for j, mode in enumerate(modes):
+            h = heldout[mode]
+            for i, p in enumerate(h["policies"]):
+                iv = h["policies"][p]["success_rate"]
+                x = j + (i - 0.5) * 0.38
+                bx.bar(x, iv["estimate"], 0.38, yerr=[[iv["estimate"] - iv["low"]], [iv["high"] - iv["estimate"]]],
+                       capsize=3, color=f"C{i}", label=("base" if p == "base" else "final") if j == 0 else None)
+            for d in h["paired"].values():
+                iv = d["success_rate"]
+                title.append(f"{mode}: final - base {iv['estimate']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]")
+        first = heldout[modes[0]]
+        n = next(iter(first["policies"].values()))["episodes"]
+        bx.set_xticks(range(len(modes)), [f"{m}\n(T={'agent' if heldout[m]['temperature'] is None else heldout[m]['temperature']})"
+                                          for m in modes])
         bx.set_ylim(0, 1.05)
-        title = f"held out ({heldout['task_set']} seed {heldout['seed']}, greedy)"
-        for k, d in heldout["paired"].items():
-            iv = d["success_rate"]
-            title += f"\ncorrect, final - base: {iv['estimate']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
-        bx.set_title(title, fontsize=9)
+        bx.set_ylabel("held-out correct rate (95% CI)")
+        bx.set_title(f"held out: {n} tasks of {first['task_set']} seed {first['seed']}\n" + "\n".join(title),
+                     fontsize=8)
         bx.legend(fontsize=8)
         bx.grid(axis="y", alpha=0.3)
     else:

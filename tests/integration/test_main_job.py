@@ -34,13 +34,17 @@ def test_short_main_job(main_job, settings):
     assert [it["rollouts"] for it in its] == [4, 4]
     assert Path(summary["paths"]["summary"]).exists() and Path(summary["paths"]["reward_curve"]).stat().st_size > 0
     # held out: base before, the final served version after, on the same 4 tasks, paired
-    held = summary["heldout"]
     final = f"{settings.run}:{summary['final_served_version']}"
-    assert list(held["policies"]) == ["base", final] and held["seed"] == 1000
-    assert all(p["episodes"] == 4 and p["mean_reward"]["low"] <= p["mean_reward"]["high"]
-               for p in held["policies"].values())
-    assert held["paired"][f"{final} - base"]["tasks"] == 4
-    assert Path(summary["paths"]["heldout"]).exists() and Path(summary["paths"]["heldout_png"]).stat().st_size > 0
+    assert set(summary["heldout"]) == {"sampled", "greedy"}
+    for mode, temperature in (("sampled", None), ("greedy", 0.0)):
+        held = summary["heldout"][mode]
+        assert list(held["policies"]) == ["base", final] and held["seed"] == 1000
+        assert held["temperature"] == temperature
+        assert all(p["episodes"] == 4 and p["mean_reward"]["low"] <= p["mean_reward"]["high"]
+                   for p in held["policies"].values())
+        assert held["paired"][f"{final} - base"]["tasks"] == 4
+        assert Path(summary["paths"][f"heldout_{mode}"]).exists()
+        assert Path(summary["paths"][f"heldout_{mode}_png"]).stat().st_size > 0
     # this job's records only, and the groups' reward spread is reported
     assert all(it["groups"] == 2 and 0 <= it["zero_variance_groups"] <= 2 for it in its)
 
