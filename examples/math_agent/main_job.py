@@ -43,12 +43,15 @@ from schemas import topics as T
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
 #: at start-up, so they apply when the demo starts the stack; an environment value wins).
 #: Chosen in LEARNING.md: lr 1e-5 (the trainer's default) moves this 135M policy too little
-#: in a 30-minute run.
+#: in a 30-minute run; lr 1e-4 with 5 s idle flushes learned once and collapsed once (Adam
+#: moves the weights by ~lr per step however few samples an update has, and tiny late
+#: updates of stale samples reached approx KL 0.35), so: half the lr, and updates wait
+#: 20 s for more samples before training on fewer than min_batch.
 DEMO_TRAINER_ENV = {
-    "SPANRL_TRAINER_LR": "1e-4",
+    "SPANRL_TRAINER_LR": "5e-5",
     "SPANRL_TRAINER_MIN_BATCH": "24",
     "SPANRL_TRAINER_MAX_BATCH": "48",
-    "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
+    "SPANRL_TRAINER_IDLE_FLUSH_S": "20",
     "SPANRL_TRAINER_LOSS_AGG": "token_mean",
 }
 
