@@ -146,7 +146,8 @@ def eval_cmd(
                                      "paired differences against the first)"),
     agent: str = typer.Option("examples.math_agent.agent:math_agent", help="runner callable module:attribute"),
     task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic"),
-    seed: int = typer.Option(1000, help="task seed (the main job trains on seed 0; 1000 is held out)"),
+    seed: int = typer.Option(1000, help="task seed (the main job trains on seed 0; 1000 is held out: "
+                             "examples/math_agent/tasks.py TRAIN_SEED, HELDOUT_SEED)"),
     tasks: int = typer.Option(200, help="number of tasks"),
     samples: int = typer.Option(1, help="episodes per task"),
     temperature: float = typer.Option(0.0, help="sampling temperature of every call (0: greedy); "

@@ -49,7 +49,9 @@ class EvalConfig:
     policies: list[str] = field(default_factory=lambda: ["base"])
     agent: str = "examples.math_agent.agent:math_agent"
     task_set: str = "arith_word"
-    seed: int = 1000  # examples.math_agent.tasks.HELDOUT_SEED
+    # examples.math_agent.tasks.HELDOUT_SEED (a literal: infra imports examples/ only lazily,
+    # the packaged CLI does not ship them)
+    seed: int = 1000
     tasks: int = 200
     samples: int = 1
     temperature: float | None = 0.0  # None: the agent's own sampling
@@ -185,19 +187,6 @@ def unpin(s: Settings) -> dict:
     return _post(f"{_reloader(s)}/admin/unpin", {}, s)
 
 
-async def _end_offsets(s: Settings, topics: list[T.Topic]) -> dict:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    c = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed",
-                         enable_auto_commit=False)
-    await c.start()
-    try:
-        parts = [TopicPartition(t.name, p) for t in topics for p in range(t.partitions)]
-        return await c.end_offsets(parts)
-    finally:
-        await c.stop()
-
-
 async def read_since(s: Settings, start: dict) -> dict[str, list[dict]]:
     """Every record of the partitions in ``start`` (TopicPartition -> offset) from there to
     the current end (read_committed), decoded, by topic name."""
@@ -246,11 +235,12 @@ def episodes_from_records(records: dict[str, list[dict]], attempts: list, eval_t
 async def run_policy_episodes(cfg: EvalConfig, s: Settings, tasks: list[dict], on_done=None) -> list[Episode]:
     """Run every task ``cfg.samples`` times with the evaluation runner and read the
     episodes back from the evaluation topics. ``on_done()`` after each attempt."""
+    from infra.replay import topics_end_offsets
     from producers.kafka import Topics
     from producers.runner import Runner, make_task
 
     eval_topics = Topics.evaluation()
-    start = await _end_offsets(s, [eval_topics.spans, eval_topics.rewards])
+    start = await topics_end_offsets(s, [eval_topics.spans, eval_topics.rewards])
     temp = "agent" if cfg.temperature is None else repr(float(cfg.temperature))
     runner = Runner(load_agent(cfg.agent), settings=s, topics=eval_topics, concurrency=cfg.concurrency,
                     timeout_s=cfg.timeout_s, proxy_url=f"{s.proxy_url}/eval/{temp}",
@@ -305,7 +295,6 @@ def evaluate(cfg: EvalConfig, settings: Settings | None = None, tasks: list[dict
     report: dict[str, Any] = {"name": cfg.name, "config": {k: str(v) if isinstance(v, Path) else v
                                                            for k, v in asdict(cfg).items()},
                               "task_ids": [t["task_id"] for t in tasks], "policies": {}, "paired": {}}
-    eps_by_policy: dict[str, list[Episode]] = {}
     t_all = time.monotonic()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -327,16 +316,13 @@ def evaluate(cfg: EvalConfig, settings: Settings | None = None, tasks: list[dict
                 episodes = asyncio.run(run_policy_episodes(cfg, s, tasks, advance))
             finally:
                 unpin(s)
-            eps_by_policy[spec] = episodes
             rep = policy_report(episodes)
             rep.update({"policy": spec, "run": run, "version": version, "served_uri": served.get("served_uri", ""),
                         "wall_s": round(time.monotonic() - t0, 1),
                         "per_episode": [asdict(e) for e in episodes]})
             report["policies"][spec] = rep
             progress.console.print(_line(spec, rep))
-    names = list(eps_by_policy)
-    for other in names[1:]:
-        report["paired"][f"{other} - {names[0]}"] = paired_report(eps_by_policy[names[0]], eps_by_policy[other])
+    report["paired"] = pair_against_first(report["policies"])
     report["wall_s"] = round(time.monotonic() - t_all, 1)
     if write:
         write_report(report, Path(cfg.out_dir), cfg.name)
@@ -357,13 +343,16 @@ def merge_reports(first: dict, second: dict) -> dict:
     first. Raises EvalError when their task lists differ."""
     if first["task_ids"] != second["task_ids"]:
         raise EvalError("the two evaluations ran different tasks; they cannot be paired")
-    merged = {**first, "policies": {**first["policies"], **second["policies"]}, "paired": {},
-              "wall_s": round(first.get("wall_s", 0) + second.get("wall_s", 0), 1)}
-    names = list(merged["policies"])
-    for other in names[1:]:
-        merged["paired"][f"{other} - {names[0]}"] = paired_report(episodes_of(merged["policies"][names[0]]),
-                                                                  episodes_of(merged["policies"][other]))
-    return merged
+    policies = {**first["policies"], **second["policies"]}
+    return {**first, "policies": policies, "paired": pair_against_first(policies),
+            "wall_s": round(first.get("wall_s", 0) + second.get("wall_s", 0), 1)}
+
+
+def pair_against_first(policies: dict[str, dict]) -> dict[str, dict]:
+    """``{"<other> - <first>": paired_report}`` for every policy report after the first."""
+    names = list(policies)
+    first = episodes_of(policies[names[0]]) if names else []
+    return {f"{other} - {names[0]}": paired_report(first, episodes_of(policies[other])) for other in names[1:]}
 
 
 def _fmt(iv: dict | None) -> str:

@@ -57,7 +57,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _end_offsets(s: Settings, wanted: tuple[T.Topic, ...]) -> dict[TopicPartition, int]:
+async def topics_end_offsets(s: Settings, wanted: tuple[T.Topic, ...] | list[T.Topic]) -> dict[TopicPartition, int]:
+    """End offset (read_committed: the last stable offset) of every partition of ``wanted``."""
     consumer = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed")
     await consumer.start()
     try:
@@ -170,7 +171,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     transitions, samples, dead = output_topics(cfg.suffix)
     app_id = f"spanrl-replay-{cfg.suffix}"
     asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead)))
-    ends = asyncio.run(_end_offsets(s, INPUTS))
+    ends = asyncio.run(topics_end_offsets(s, INPUTS))
     if cfg.since_ms is not None:
         asyncio.run(_seek_group_to_time(s, app_id, cfg.since_ms))
     state = (ROOT / s.state_dir).resolve()
@@ -196,7 +197,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
         log(f"replay consumed the inputs ({time.monotonic() - t0:.1f}s); waiting for groups to close")
         last, stable_since = None, time.monotonic()
         while time.monotonic() - stable_since < cfg.quiet_s and time.monotonic() < deadline:
-            now = asyncio.run(_end_offsets(s, (samples, dead)))  # moves iff something was written
+            now = asyncio.run(topics_end_offsets(s, (samples, dead)))  # moves iff something was written
             if now != last:
                 last, stable_since = now, time.monotonic()
             time.sleep(1.0)

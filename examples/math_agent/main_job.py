@@ -35,6 +35,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
 from infra.settings import Settings, get_settings
 from schemas import decode
 from schemas import topics as T
@@ -70,8 +71,8 @@ class MainJobConfig:
     tasks_per_iteration: int = 6
     group_size: int = 6
     task_set: str = "arith_word"
-    seed: int = 0
-    heldout_seed: int = 1000
+    seed: int = TRAIN_SEED
+    heldout_seed: int = HELDOUT_SEED
     heldout_tasks: int = 200
     heldout_modes: tuple = ("sampled", "greedy")
     concurrency: int = 8
@@ -327,8 +328,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     console = console or Console()
     pool = load_task_set(cfg.task_set, cfg.seed, cfg.iterations * cfg.tasks_per_iteration)
     if cfg.heldout_tasks > 0:
-        heldout = load_task_set(cfg.task_set, cfg.heldout_seed, cfg.heldout_tasks)
-        if not disjoint(pool, heldout):
+        heldout_set = load_task_set(cfg.task_set, cfg.heldout_seed, cfg.heldout_tasks)
+        if not disjoint(pool, heldout_set):
             raise ValueError(f"training seed {cfg.seed} and held-out seed {cfg.heldout_seed} share questions")
     results: list[IterationResult] = []
     t_start = time.monotonic()

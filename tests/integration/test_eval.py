@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infra import evaluation as E
+from infra.replay import topics_end_offsets
 from infra.settings import get_settings
 from producers.kafka import Topics
 from schemas import topics as T
@@ -138,7 +139,7 @@ async def test_eval_base_and_checkpoint_on_the_evaluation_topics(own_reloader, t
     ckpt = _checkpoint_dir(s.model_dir, tmp_path / "v1", run, 1)
     await asyncio.to_thread(_upload, s, ckpt, run, 1)
     train_topics = Topics()
-    train_start = await E._end_offsets(s, [train_topics.spans, train_topics.rewards, train_topics.rollouts])
+    train_start = await topics_end_offsets(s, [train_topics.spans, train_topics.rewards, train_topics.rollouts])
     cfg = E.EvalConfig(policies=["base", f"{run}:1"], tasks=4, concurrency=4, out_dir=tmp_path / "out",
                        name="evaltest")
     report = await asyncio.to_thread(E.evaluate, cfg, s)
