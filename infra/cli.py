@@ -8,6 +8,8 @@
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
+    spanrl runs                            runs with checkpoints (MinIO, local copies), sizes, free space
+    spanrl clean 'PATTERN' [--dry-run]     delete matching runs' checkpoints (MinIO and local)
 """
 from __future__ import annotations
 
@@ -89,15 +91,46 @@ def _up_or_exit(stack: Stack) -> None:
         raise typer.Exit(1)
 
 
+def _check_free_space(command: str) -> None:
+    """Exit 1 with a clear message when the cache or state directory's drive has less free
+    space than ``command`` needs (infra.storage.NEEDED_FREE)."""
+    from infra.settings import get_settings
+    from infra.storage import NEEDED_FREE, free_space_problem
+
+    s = get_settings()
+    problem = free_space_problem([s.cache_dir, Stack(s).state], NEEDED_FREE[command])
+    if problem:
+        console.print(f"[red]not enough disk space for `{command}`[/red]: {problem}")
+        raise typer.Exit(1)
+
+
+def _storage_client(s):
+    """A MinIO client when MinIO is up (started here if it is not: returns (client,
+    started))."""
+    from trainer import checkpoint
+
+    stack = Stack(s)
+    started = False
+    if not stack.running("minio"):
+        stack.up(["minio"])
+        started = True
+    return checkpoint.make_client(s), started
+
+
 @app.command()
 def test(
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
     pytest_args: list[str] = typer.Argument(None, help="pytest arguments (default: tests)"),
 ) -> None:
-    """Start the stack, run unit and integration tests (pytest), stop the stack."""
+    """Start the stack, run unit and integration tests (pytest), stop the stack. The runs
+    the tests create delete their checkpoints themselves; the stack's own run ``test-<time>``
+    is deleted here (unless --keep-up)."""
     import subprocess
     import sys
 
+    from trainer import checkpoint
+
+    _check_free_space("test")
     stack = _fresh_run("test")
     _up_or_exit(stack)
     try:
@@ -105,8 +138,82 @@ def test(
                              env={**__import__("os").environ, **stack.service_env()})
     finally:
         if not keep_up:
-            stack.down()
+            s = stack.s
+            stack.down(["reloader", "trainer"])
+            try:
+                checkpoint.delete_run(checkpoint.make_client(s) if stack.running("minio") else None,
+                                      s.checkpoint_bucket, s.cache_dir, s.run)
+            finally:
+                stack.down()
     raise typer.Exit(rc)
+
+
+@app.command()
+def runs() -> None:
+    """Runs that have checkpoints in MinIO or local copies, with sizes, and the free space."""
+    import shutil
+
+    from infra.settings import get_settings
+    from infra.storage import GIB
+    from trainer import checkpoint
+
+    s = get_settings()
+    client, started = _storage_client(s)
+    try:
+        found = checkpoint.list_runs(client, s.checkpoint_bucket, s.cache_dir)
+    finally:
+        if started:
+            Stack(s).down(["minio"])
+    serving = s.run if Stack(s).running("trainer") else None
+    table = Table(title=f"runs (s3://{s.checkpoint_bucket}, {s.cache_dir})")
+    for col in ("run", "MinIO GiB", "objects", "local GiB", ""):
+        table.add_column(col)
+    for run, e in sorted(found.items()):
+        table.add_row(run, f"{e['store_bytes'] / GIB:.2f}", str(e["store_objects"]), f"{e['local_bytes'] / GIB:.2f}",
+                      "served by the stack" if run == serving else "")
+    console.print(table)
+    total = sum(e["store_bytes"] + e["local_bytes"] for e in found.values())
+    free = shutil.disk_usage(s.cache_dir if s.cache_dir.exists() else ".").free
+    console.print(f"{len(found)} runs, {total / GIB:.1f} GiB; {free / GIB:.1f} GiB free")
+
+
+@app.command()
+def clean(
+    patterns: list[str] = typer.Argument(..., help="run names or shell patterns, e.g. 'test-*' 'demo-20261201-*'"),
+    dry_run: bool = typer.Option(False, help="only list what would be deleted"),
+) -> None:
+    """Delete the checkpoints of the matching runs: MinIO objects (weights, manifests, start
+    marker, gate records) and local copies. Never the run the running stack trains and
+    serves. Kafka records stay."""
+    from infra.settings import get_settings
+    from infra.storage import GIB, select_runs
+    from trainer import checkpoint
+
+    s = get_settings()
+    protect = {s.run} if Stack(s).running("trainer") or Stack(s).running("reloader") else set()
+    client, started = _storage_client(s)
+    try:
+        try:
+            doomed = select_runs(list(checkpoint.list_runs(client, s.checkpoint_bucket, s.cache_dir)), patterns,
+                                 protect)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc))
+        freed = 0
+        for run in doomed:
+            if dry_run:
+                console.print(f"would delete {run}")
+                continue
+            r = checkpoint.delete_run(client, s.checkpoint_bucket, s.cache_dir, run)
+            freed += r["store_bytes"] + r["local_bytes"]
+            console.print(f"deleted {run}: {r['store_objects']} objects, "
+                          f"{(r['store_bytes'] + r['local_bytes']) / GIB:.2f} GiB")
+    finally:
+        if started:
+            Stack(s).down(["minio"])
+    if protect and any(select_runs(list(protect), patterns)):
+        console.print(f"kept {s.run}: the running stack serves it")
+    console.print(f"{len(doomed)} runs {'would be ' if dry_run else ''}deleted" +
+                  ("" if dry_run else f", {freed / GIB:.1f} GiB freed"))
 
 
 @app.command()
@@ -128,6 +235,7 @@ def demo(
     if not Stack().running("trainer"):  # the demo's trainer settings, unless set in the environment
         for k, v in DEMO_TRAINER_ENV.items():
             os.environ.setdefault(k, v)
+    _check_free_space("demo")
     stack = _fresh_run("demo")
     _up_or_exit(stack)
     try:
@@ -227,6 +335,7 @@ def chaos(
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
         raise typer.BadParameter(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    _check_free_space("chaos")
     cfg = ChaosConfig(faults=names, tasks=tasks, group_size=group_size, calls=calls, out_dir=Path(out),
                       restart_stack=not reuse_stack)
     try:

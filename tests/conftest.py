@@ -20,3 +20,27 @@ def stack(settings):
     st = Stack(settings)
     st.up()
     return st
+
+
+@pytest.fixture
+def scratch_run(settings):
+    """``scratch_run(name) -> name``: registers a run a test creates; at the end of the test
+    its checkpoints (MinIO objects, the trainer's and reloader's local copies) are deleted,
+    so the suite's disk use stays at a few checkpoints (each ~0.5 GB; MinIO refuses writes
+    on a nearly full drive). The stack's own run is deleted by ``make test`` at the end."""
+    from infra.stack import Stack
+    from trainer import checkpoint
+
+    made: list[str] = []
+
+    def register(name: str) -> str:
+        checkpoint.local_run_dirs(settings.cache_dir, name)  # a valid run name, or ValueError
+        made.append(name)
+        return name
+
+    yield register
+    if made:
+        Stack(settings).up(["minio"])  # a fault test may have stopped it; idempotent
+        client = checkpoint.make_client(settings)
+        for name in made:
+            checkpoint.delete_run(client, settings.checkpoint_bucket, settings.cache_dir, name)

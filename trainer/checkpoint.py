@@ -479,3 +479,63 @@ def latest_version_in_store(client, bucket: str, run: str) -> int | None:
                 continue
             best = max(best or 0, int(name))
     return best
+
+
+# ---- whole runs: what a run leaves on disk and in the store -------------------------
+
+def local_run_dirs(cache_dir: Path, run: str) -> list[Path]:
+    """The local directories that hold copies of ``run``'s checkpoints, existing or not:
+    the trainer's working copies (``cache_dir/trainer/RUN``), the reloader's downloads
+    (``cache_dir/checkpoints/RUN``) and evaluation pins (``cache_dir/checkpoints/pinned/RUN``).
+    Raises ValueError for a run name that is empty or not one path component (so no
+    caller can be made to delete outside these roots)."""
+    if not run or run in {".", "..", "pinned"} or "/" in run or "\\" in run:
+        raise ValueError(f"not a run name: {run!r}")
+    cache_dir = Path(cache_dir)
+    return [cache_dir / "trainer" / run, cache_dir / "checkpoints" / run, cache_dir / "checkpoints" / "pinned" / run]
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def list_runs(client, bucket: str, cache_dir: Path) -> dict[str, dict]:
+    """Every run that has objects under ``bucket/RUN/`` or a local directory of
+    :func:`local_run_dirs`: ``{run: {"store_bytes", "store_objects", "local_bytes"}}``
+    (bytes). ``client`` None: local directories only (MinIO not running)."""
+    runs: dict[str, dict] = {}
+
+    def entry(run: str) -> dict:
+        return runs.setdefault(run, {"store_bytes": 0, "store_objects": 0, "local_bytes": 0})
+
+    if client is not None and client.bucket_exists(bucket):
+        for o in client.list_objects(bucket, recursive=True):
+            e = entry(o.object_name.split("/", 1)[0])
+            e["store_bytes"] += int(o.size or 0)
+            e["store_objects"] += 1
+    cache_dir = Path(cache_dir)
+    for root in (cache_dir / "trainer", cache_dir / "checkpoints", cache_dir / "checkpoints" / "pinned"):
+        if root.is_dir():
+            for d in root.iterdir():
+                if d.is_dir() and not (root.name == "checkpoints" and d.name == "pinned"):
+                    entry(d.name)["local_bytes"] += _tree_bytes(d)
+    return runs
+
+
+def delete_run(client, bucket: str, cache_dir: Path, run: str) -> dict:
+    """Delete everything ``run`` left: its objects in ``bucket/RUN/`` (manifests, weights,
+    start marker, gate records) and its :func:`local_run_dirs`. Returns ``{"run",
+    "store_objects", "store_bytes", "local_bytes"}`` (what was removed). ``client`` None:
+    local directories only. Its Kafka records (samples, announcements) stay: the log is
+    the record of what happened; a trainer started again on this run name starts afresh."""
+    dirs = local_run_dirs(cache_dir, run)  # validates the name first
+    removed = {"run": run, "store_objects": 0, "store_bytes": 0, "local_bytes": 0}
+    if client is not None and client.bucket_exists(bucket):
+        for o in list(client.list_objects(bucket, prefix=f"{run}/", recursive=True)):
+            client.remove_object(bucket, o.object_name)
+            removed["store_objects"] += 1
+            removed["store_bytes"] += int(o.size or 0)
+    for d in dirs:
+        removed["local_bytes"] += _tree_bytes(d)
+        shutil.rmtree(d, ignore_errors=True)
+    return removed

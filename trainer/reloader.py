@@ -322,8 +322,8 @@ class Reloader:
     async def pin(self, run: str | None, version: int) -> dict:
         """Serve checkpoint ``run:version`` (version 0: the base model) until :meth:`unpin`.
 
-        The checkpoint is downloaded into ``cache_dir/checkpoints/pinned/RUN/VERSION`` and
-        verified against its manifest, and against the announced manifest sha256 when
+        The checkpoint is downloaded into ``cache_dir/checkpoints/pinned/RUN/VERSION`` (deleted
+        again on unpin or the next pin) and verified against its manifest, and against the announced manifest sha256 when
         ``run`` announced that version. Announcements arriving meanwhile are verified and
         become the target, applied on unpin. Returns :meth:`status`. Raises
         :class:`CheckpointNotFound` (no manifest in MinIO), ``checkpoint.CheckpointError``
@@ -366,12 +366,25 @@ class Reloader:
                  "reloaded": False, "reload_s": None, "error": None, "at_ms": int(time.time() * 1000)}
         self.history.append(entry)
         async with self._lock:
-            self.pinned = want
+            previous, self.pinned = self.pinned, want
             self._apply_failures, self._next_apply_at = 0, 0.0
             if not await self._apply(entry):
                 self.pinned = None
+                self._drop_pinned_copy(want)
                 raise RuntimeError(f"vLLM reload of {run}:{version} failed: {entry['error']}")
+            if previous is not None and previous["dir"] != want["dir"]:
+                self._drop_pinned_copy(previous)
         return self.status()
+
+    def _drop_pinned_copy(self, pin: dict) -> None:
+        """Delete a pin's download (never the base model's or a training run's directory):
+        an evaluation copy is ~0.5 GB and pinning again downloads and verifies afresh."""
+        root = (self.settings.cache_dir / "checkpoints" / "pinned").resolve()
+        d = Path(pin["dir"]).resolve() if pin.get("dir") else None
+        if d is not None and root in d.parents:
+            shutil.rmtree(d, ignore_errors=True)
+            if d.parent != root and d.parent.is_dir() and not any(d.parent.iterdir()):
+                d.parent.rmdir()
 
     async def unpin(self) -> dict:
         """Drop the pin and serve the target again (the newest verified checkpoint of the
@@ -385,6 +398,7 @@ class Reloader:
                 self.history.append(entry)
                 self._apply_failures, self._next_apply_at = 0, 0.0
                 await self._apply(entry)
+                self._drop_pinned_copy(was)
         return self.status()
 
     async def http_pin(self, body: dict) -> tuple[int, dict]:

@@ -81,14 +81,14 @@ async def _served(http: httpx.AsyncClient, s) -> dict:
 
 
 @pytest.fixture
-async def own_reloader(stack, tmp_path):
+async def own_reloader(stack, tmp_path, scratch_run):
     """A Reloader of a fresh run on its own checkpoints topic, on the reloader port; the
     stack's reloader is stopped for the test and started again after (with vLLM on the base)."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     s = get_settings()
     tag = uuid.uuid4().hex[:8]
-    run, topic = f"evaltest-{tag}", f"evaltest-checkpoints-{tag}"
+    run, topic = scratch_run(f"evaltest-{tag}"), f"evaltest-checkpoints-{tag}"
     admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
     await admin.start()
     await admin.create_topics([NewTopic(topic, 1, 1)])
@@ -174,6 +174,8 @@ async def test_eval_base_and_checkpoint_on_the_evaluation_topics(own_reloader, t
     async with httpx.AsyncClient(timeout=10) as http:
         st = await _served(http, s)
     assert st["pinned"] is None and st["served_version"] == 0 and st["vllm_synced"]
+    # the pin's download (~0.5 GB) went with the pin
+    assert not (s.cache_dir / "checkpoints" / "pinned" / run).exists()
 
 
 async def test_eval_refuses_unknown_tampered_and_empty(own_reloader, tmp_path):

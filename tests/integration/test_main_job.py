@@ -25,7 +25,7 @@ def main_job(stack, settings, tmp_path_factory):
     return run_main_job(cfg, settings)
 
 
-def test_short_main_job(main_job, settings):
+def test_short_main_job(main_job, settings, tmp_path):
     summary = main_job
     its = summary["iterations"]
     ours = {r for it in its for r in it["rollout_ids"]}
@@ -79,7 +79,7 @@ def test_short_main_job(main_job, settings):
 
     # the trainer published a manifest-verified checkpoint that covers the samples ...
     version = max(v for it in its for v in it["checkpoints_announced"])
-    dest = settings.cache_dir / "test-downloads" / settings.run / str(version)
+    dest = tmp_path / settings.run / str(version)
     manifest = checkpoint.download_checkpoint(checkpoint.make_client(settings),
                                               checkpoint.checkpoint_uri(settings.checkpoint_bucket, settings.run, version), dest)
     assert manifest["version"] == version and manifest["trained_offsets"]
@@ -94,7 +94,7 @@ def test_short_main_job(main_job, settings):
     assert summary["final_served_version"] >= version
 
 
-def test_replay_with_a_new_credit_rule_then_train(main_job, settings):
+def test_replay_with_a_new_credit_rule_then_train(main_job, settings, tmp_path, scratch_run):
     """Replay rebuilds the same transitions from spans/rewards/rollouts into a new topic with
     reward = 0.5 R, leaves the original topic alone, and trains a new run from a checkpoint."""
     import uuid
@@ -107,6 +107,7 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings):
     n_original_total = len(asyncio.run(read_topic(bootstrap, T.TRANSITIONS)))
     version = max(v for it in main_job["iterations"] for v in it["checkpoints_announced"])
     suffix = f"t{uuid.uuid4().hex[:8]}"
+    scratch_run(f"replay-{suffix}")  # the run infra.replay trains
     result = replay(ReplayConfig(suffix=suffix, credit_rule="scaled:0.5", train_from=f"{settings.run}:{version}",
                                  train_updates=1, timeout_s=400))
     new_topic = output_topics(suffix)[0]
@@ -120,7 +121,7 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings):
         assert t["prompt_token_ids"] == o["prompt_token_ids"] and t["completion_token_ids"] == o["completion_token_ids"]
     assert len(asyncio.run(read_topic(bootstrap, T.TRANSITIONS))) == n_original_total  # original untouched
     run = result["training"]["run"]
-    dest = settings.cache_dir / "test-downloads" / run
+    dest = tmp_path / run
     manifest = checkpoint.download_checkpoint(checkpoint.make_client(settings),
                                               checkpoint.checkpoint_uri(settings.checkpoint_bucket, run, version + 1), dest)
     assert manifest["parent_version"] == version and manifest["run"] == run

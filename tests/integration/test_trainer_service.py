@@ -72,13 +72,13 @@ def _sample_from(resp: dict, task_id: str, ret: float, adv: float) -> dict:
             "group_mean": 0.5, "group_std": 0.5}
 
 
-async def test_trainer_publishes_and_reloader_serves(tmp_path, stack):
+async def test_trainer_publishes_and_reloader_serves(tmp_path, stack, scratch_run):
     from aiokafka import AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     s = get_settings()
     tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = f"trtest-{tag}", f"trtest-samples-{tag}", f"trtest-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = scratch_run(f"trtest-{tag}"), f"trtest-samples-{tag}", f"trtest-checkpoints-{tag}"
     await _vllm_ready(s.vllm_url)
     admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
     await admin.start()
@@ -251,13 +251,13 @@ def _remove_run(minio, bucket: str, run: str) -> None:
             minio.remove_object(bucket, o.object_name)
 
 
-async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tmp_path, light_stack,
+async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tmp_path, light_stack, scratch_run,
                                                                              tiny_model_dir):
     """start=latest, SIGKILL before the first checkpoint, samples produced meanwhile: the
     restarted trainer starts at the marker, not at the new end (no sample skipped)."""
     s = get_settings()
     tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = f"trcrash-{tag}", f"trcrash-samples-{tag}", f"trcrash-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = scratch_run(f"trcrash-{tag}"), f"trcrash-samples-{tag}", f"trcrash-checkpoints-{tag}"
     key = f"{samples_topic}:0"
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
@@ -322,14 +322,14 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
         shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
 
 
-async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack, tiny_model_dir):
+async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack, scratch_run, tiny_model_dir):
     """MinIO stopped before publish: upload retried with backoff (logged), version 1 is
     published once MinIO is back; a stop during a retry leaves the version unpublished."""
     from trainer.train import build_engine, load_model
 
     s = get_settings()
     tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = f"trminio-{tag}", f"trminio-samples-{tag}", f"trminio-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = scratch_run(f"trminio-{tag}"), f"trminio-samples-{tag}", f"trminio-checkpoints-{tag}"
     key = f"{samples_topic}:0"
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
@@ -388,11 +388,11 @@ async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack,
         shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
 
 
-async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack, tiny_model_dir):
+async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack, scratch_run, tiny_model_dir):
     """MinIO down while the reloader fetches an announced checkpoint: retried until MinIO
     is back, then verified; a checksum mismatch is refused at once, never retried."""
     s = get_settings()
-    run = f"trreload-{uuid.uuid4().hex[:8]}"
+    run = scratch_run(f"trreload-{uuid.uuid4().hex[:8]}")
     minio = checkpoint.make_client(s)
     ckpt = tmp_path / "000001"
     shutil.copytree(tiny_model_dir, ckpt)
@@ -450,7 +450,7 @@ async def _spans(topic: str, rollout_id: str) -> list[dict]:
         await c.stop()
 
 
-async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, light_stack):
+async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, light_stack, scratch_run):
     """The proxy starts with the reloader's served version (not 0); when vLLM goes, the
     proxy answers 503 policy_unsynced (never a call under a wrong label) until the
     reloader has reloaded the served checkpoint into the restarted vLLM and posted it."""
@@ -460,7 +460,7 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
     light_stack.up(["vllm"])
     await _vllm_ready(s.vllm_url)
     tag = uuid.uuid4().hex[:8]
-    run, ckpt_topic = f"trlabel-{tag}", f"trlabel-checkpoints-{tag}"
+    run, ckpt_topic = scratch_run(f"trlabel-{tag}"), f"trlabel-checkpoints-{tag}"
     topics = Topics.with_prefix(f"trlabel-{tag}-")
     await create_topics(s.kafka_bootstrap, topics.all())
     admin = await _topics(ckpt_topic)
@@ -560,12 +560,12 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
             await asyncio.to_thread(light_stack.start, n)
 
 
-def test_prune_store_keeps_newest_weights_and_every_manifest(tmp_path, light_stack):
+def test_prune_store_keeps_newest_weights_and_every_manifest(tmp_path, light_stack, scratch_run):
     """SPANRL_TRAINER_KEEP_PUBLISHED: older versions lose their weight files in MinIO but keep
     their manifests (the offset chain stays checkable); the newest stay downloadable."""
     s = get_settings()
     client = checkpoint.make_client(s)
-    run = f"trprune-{uuid.uuid4().hex[:8]}"
+    run = scratch_run(f"trprune-{uuid.uuid4().hex[:8]}")
     try:
         for v in (1, 2, 3):
             d = tmp_path / f"{v:06d}"
@@ -589,3 +589,40 @@ def test_prune_store_keeps_newest_weights_and_every_manifest(tmp_path, light_sta
     finally:
         for o in client.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
             client.remove_object(s.checkpoint_bucket, o.object_name)
+
+
+def test_spanrl_runs_and_clean_delete_a_run_from_minio_and_disk(tmp_path, light_stack, scratch_run):
+    """`spanrl clean PATTERN` deletes the matching runs' MinIO objects and local copies,
+    `--dry-run` deletes nothing, other runs stay; `spanrl runs` lists them with sizes."""
+    s = get_settings()
+    client = checkpoint.make_client(s)
+    tag = uuid.uuid4().hex[:8]
+    doomed, kept = scratch_run(f"trclean-{tag}-a"), scratch_run(f"trclean-{tag}-b")
+    for run in (doomed, kept):
+        d = tmp_path / run / "000001"
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"w" * 1000)
+        checkpoint.write_manifest(d, run=run, version=1, parent_version=0, base_model="b", step=1,
+                                  trained_offsets={"samples:0": 1}, metrics={})
+        checkpoint.upload_checkpoint(client, d, checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1))
+        shutil.copytree(d, s.cache_dir / "trainer" / run / "000001")
+    runs = checkpoint.list_runs(client, s.checkpoint_bucket, s.cache_dir)
+    assert runs[doomed]["store_objects"] == 2 and runs[doomed]["store_bytes"] > 1000
+    assert runs[doomed]["local_bytes"] == runs[doomed]["store_bytes"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+
+    listed = cli("runs")
+    assert listed.returncode == 0 and doomed in listed.stdout and kept in listed.stdout, listed.stdout + listed.stderr
+    dry = cli("clean", f"trclean-{tag}-a*", "--dry-run")
+    assert dry.returncode == 0 and f"would delete {doomed}" in dry.stdout, dry.stdout + dry.stderr
+    assert checkpoint.latest_version_in_store(client, s.checkpoint_bucket, doomed) == 1
+    done = cli("clean", f"trclean-{tag}-a*")
+    assert done.returncode == 0 and f"deleted {doomed}: 2 objects" in done.stdout, done.stdout + done.stderr
+    assert not list(client.list_objects(s.checkpoint_bucket, prefix=f"{doomed}/", recursive=True))
+    assert not (s.cache_dir / "trainer" / doomed).exists()
+    assert checkpoint.latest_version_in_store(client, s.checkpoint_bucket, kept) == 1
+    assert (s.cache_dir / "trainer" / kept / "000001" / "model.safetensors").exists()
+    assert cli("clean", "").returncode == 2  # no pattern: a usage error, nothing deleted
