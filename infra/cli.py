@@ -291,6 +291,8 @@ def eval_cmd(
 def replay(
     suffix: str = typer.Option(..., help="names the output topics (transitions.<suffix>, samples.<suffix>) and the new run"),
     credit_rule: str = typer.Option("identical", help="identical | scaled:<factor> | discounted:<gamma>"),
+    train_agents: str = typer.Option(None, help="whose calls train: comma-separated agent names or re:EXPR "
+                                     "(default: every call; the live job's SPANRL_TRAIN_AGENTS is not used)"),
     since: str = typer.Option(None, help="replay from this time (ISO 8601, UTC) instead of the beginning"),
     train_from: str = typer.Option(None, help="RUN:VERSION checkpoint to train run replay-<suffix> from"),
     train_updates: int = typer.Option(1, help="updates of that training"),
@@ -308,6 +310,7 @@ def replay(
         since_ms = int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
     with console.status(f"replaying into transitions.{suffix} …"):
         result = run_replay(ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=since_ms,
+                                         train_agents=train_agents,
                                          train_from=train_from, train_updates=train_updates), log=console.print)
     console.print_json(json.dumps(result))
 

@@ -244,7 +244,7 @@ async def run_policy_episodes(cfg: EvalConfig, s: Settings, tasks: list[dict], o
     temp = "agent" if cfg.temperature is None else repr(float(cfg.temperature))
     runner = Runner(load_agent(cfg.agent), settings=s, topics=eval_topics, concurrency=cfg.concurrency,
                     timeout_s=cfg.timeout_s, proxy_url=f"{s.proxy_url}/eval/{temp}",
-                    runner_id=f"eval-{cfg.name}")
+                    runner_id=f"eval-{cfg.name}", record_to="eval")
 
     async def one(task: dict):
         record = {**make_task(json.dumps(task), group_size=1, task_id=task["task_id"], timeout_s=cfg.timeout_s)}

@@ -35,10 +35,13 @@ class ReplayConfig:
     """suffix: names the output topics and the replay's app id; credit_rule: see
     stream_jobs.credit.parse_credit_rule; since_ms: replay from this time (None: from the
     beginning); train_from: ``RUN:VERSION`` checkpoint to train a new run from (None: no
-    training); train_updates: updates of that training."""
+    training); train_updates: updates of that training; train_agents: whose calls become
+    transitions (``SPANRL_TRAIN_AGENTS`` syntax: names or ``re:EXPR``; None: every call), so
+    the same stored spans can train a different set of agents."""
 
     suffix: str
     credit_rule: str = "identical"
+    train_agents: str | None = None
     since_ms: int | None = None
     train_from: str | None = None
     train_updates: int = 1
@@ -46,9 +49,23 @@ class ReplayConfig:
     quiet_s: float = 8.0
 
 
-def output_topics(suffix: str) -> tuple[T.Topic, T.Topic, T.Topic]:
-    """(transitions, samples, dead-letter) topics of a replay."""
-    return T.derived(T.TRANSITIONS, suffix), T.derived(T.SAMPLES, suffix), T.derived(T.DEAD_LETTER, suffix)
+def output_topics(suffix: str) -> tuple[T.Topic, T.Topic, T.Topic, T.Topic]:
+    """(transitions, samples, dead-letter, call-accounts) topics of a replay."""
+    return (T.derived(T.TRANSITIONS, suffix), T.derived(T.SAMPLES, suffix), T.derived(T.DEAD_LETTER, suffix),
+            T.derived(T.CALL_ACCOUNTS, suffix))
+
+
+def agent_counts(accounts: list[dict]) -> dict[str, dict[str, int]]:
+    """Per agent name (``(unresolved)`` for calls whose agent was not resolved): calls seen,
+    trained (became transitions) and excluded, from decoded call-account records, sorted
+    by name. Pure."""
+    out: dict[str, dict[str, int]] = {}
+    for acc in accounts:
+        for c in acc["calls"]:
+            e = out.setdefault(c["agent_name"] or "(unresolved)", {"calls": 0, "trained": 0, "excluded": 0})
+            e["calls"] += 1
+            e["trained" if c["trained"] else "excluded"] += 1
+    return dict(sorted(out.items()))
 
 
 def _free_port() -> int:
@@ -168,9 +185,12 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     Raises RuntimeError if the replay worker exits or does not catch up in ``timeout_s``.
     """
     s = settings or get_settings()
-    transitions, samples, dead = output_topics(cfg.suffix)
+    from stream_jobs.assembly import parse_train_agents
+
+    parse_train_agents(cfg.train_agents)  # ValueError before anything starts
+    transitions, samples, dead, accounts = output_topics(cfg.suffix)
     app_id = f"spanrl-replay-{cfg.suffix}"
-    asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead)))
+    asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead, accounts)))
     ends = asyncio.run(topics_end_offsets(s, INPUTS))
     if cfg.since_ms is not None:
         asyncio.run(_seek_group_to_time(s, app_id, cfg.since_ms))
@@ -179,7 +199,8 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "SPANRL_STREAM_APP_ID": app_id, "SPANRL_CREDIT_RULE": cfg.credit_rule,
            "SPANRL_TRANSITIONS_TOPIC": transitions.name, "SPANRL_SAMPLES_TOPIC": samples.name,
-           "SPANRL_DEAD_LETTER_TOPIC": dead.name, "SPANRL_FAUST_WEB_PORT": str(_free_port()),
+           "SPANRL_DEAD_LETTER_TOPIC": dead.name, "SPANRL_CALL_ACCOUNTS_TOPIC": accounts.name,
+           "SPANRL_TRAIN_AGENTS": cfg.train_agents or "", "SPANRL_FAUST_WEB_PORT": str(_free_port()),
            "SPANRL_GROUP_TIMEOUT_S": os.environ.get("SPANRL_GROUP_TIMEOUT_S", "30")}
     log_path = state / "logs" / f"replay-{cfg.suffix}.log"
     t0 = time.monotonic()
@@ -197,7 +218,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
         log(f"replay consumed the inputs ({time.monotonic() - t0:.1f}s); waiting for groups to close")
         last, stable_since = None, time.monotonic()
         while time.monotonic() - stable_since < cfg.quiet_s and time.monotonic() < deadline:
-            now = asyncio.run(topics_end_offsets(s, (samples, dead)))  # moves iff something was written
+            now = asyncio.run(topics_end_offsets(s, (samples, dead, accounts)))  # moves iff something was written
             if now != last:
                 last, stable_since = now, time.monotonic()
             time.sleep(1.0)
@@ -206,7 +227,9 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     result = {"suffix": cfg.suffix, "credit_rule": cfg.credit_rule, "app_id": app_id,
               "transitions_topic": transitions.name, "samples_topic": samples.name,
               "transitions": asyncio.run(_count(s, transitions)), "samples": asyncio.run(_count(s, samples)),
-              "dead_letters": asyncio.run(_count(s, dead)), "replay_s": round(time.monotonic() - t0, 1)}
+              "dead_letters": asyncio.run(_count(s, dead)), "replay_s": round(time.monotonic() - t0, 1),
+              "train_agents": cfg.train_agents or "all",
+              "calls_by_agent": agent_counts(asyncio.run(read_topic(s.kafka_bootstrap, accounts)))}
     if cfg.train_from:
         result["training"] = train_replayed(cfg, samples.name, s, log)
     return result

@@ -88,12 +88,15 @@ def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
 
 def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: SecretStr | str | None = None,
                max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT, claim_client=None,
-               payload_bucket: str | None = None) -> FastAPI:
+               payload_bucket: str | None = None, eval_topics: Topics | None = None) -> FastAPI:
     """The bridge app writing through ``sink``; ``auth_token`` (None: open) see producers/edge.py.
+    ``eval_topics``: where spans stamped ``spanrl.record_to=eval`` (evaluation episodes) and
+    their rewards and dead letters go (default ``Topics.evaluation()``); nothing trains on them.
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
     (producers/claims.py); default: MinIO and bucket of the settings."""
     metrics: Counter[str] = Counter()
-    topics: Topics = sink.topics
+    train_topics: Topics = sink.topics
+    eval_topics = eval_topics or Topics.evaluation()
     inflight = InflightBuffer(max_inflight_bytes)
     if payload_bucket is None:
         from infra.settings import get_settings
@@ -161,6 +164,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
         items: list[tuple] = []
         rejected: Counter[str] = Counter()
         for c in convert_request(req):
+            topics = eval_topics if c.record_to == "eval" else train_topics
             if c.span is not None:
                 try:
                     value = codec.encode(topics.spans.record, c.span)
@@ -172,7 +176,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
                             return error(503, "claim_store_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
                         metrics["claims"] += 1
                     if not claims.fits(len(value), topics.spans.max_message_bytes):
-                        c = Converted(c.rollout_id, dead_reason="oversize", raw=b"",
+                        c = Converted(c.rollout_id, dead_reason="oversize", raw=b"", record_to=c.record_to,
                                       dead_detail=f"span claim record {len(value)} bytes > "
                                                   f"{topics.spans.max_message_bytes - claims.CLAIM_MARGIN_BYTES}")
                     else:
@@ -180,16 +184,17 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
                         if c.reward is not None:
                             items.append((topics.rewards, c.rollout_id, codec.encode(topics.rewards.record, c.reward)))
                 except codec.SchemaError as exc:
-                    c = Converted(c.rollout_id, dead_reason=exc.reason, dead_detail=exc.detail, raw=c.raw)
+                    c = Converted(c.rollout_id, dead_reason=exc.reason, dead_detail=exc.detail, raw=c.raw,
+                                  record_to=c.record_to)
             if c.dead_reason is not None:
                 rejected[c.dead_reason] += 1
                 items.append((topics.dead_letter, c.rollout_id, codec.encode(topics.dead_letter.record, _dead_letter(c))))
         failed = await produce(items)
         if failed is not None:
             return failed
-        n_spans = sum(1 for t, _, _ in items if t is topics.spans)
+        n_spans = sum(1 for t, _, _ in items if t in (train_topics.spans, eval_topics.spans))
         metrics["spans"] += n_spans
-        metrics["rewards"] += sum(1 for t, _, _ in items if t is topics.rewards)
+        metrics["rewards"] += sum(1 for t, _, _ in items if t in (train_topics.rewards, eval_topics.rewards))
         for reason, n in rejected.items():
             metrics[f"dead_letter.{reason}"] += n
         resp = ExportTraceServiceResponse()
@@ -206,10 +211,10 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
         record = reward.model_dump()
         record["timestamp_ms"] = reward.timestamp_ms or now_ms()
         try:
-            value = codec.encode(topics.rewards.record, record)
+            value = codec.encode(train_topics.rewards.record, record)
         except codec.SchemaError as exc:  # RewardIn passed, so not expected; never a 500 though
             return error(400, exc.reason, exc.detail)
-        failed = await produce([(topics.rewards, reward.rollout_id, value)])
+        failed = await produce([(train_topics.rewards, reward.rollout_id, value)])
         if failed is not None:
             return failed
         metrics["rewards"] += 1
@@ -240,8 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
+    eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.max_body_bytes,
-                     auth_token=s.auth_token, max_inflight_bytes=a.max_inflight_bytes)
+                     auth_token=s.auth_token, max_inflight_bytes=a.max_inflight_bytes, eval_topics=eval_topics)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

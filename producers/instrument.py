@@ -29,6 +29,7 @@ ROLLOUT_ID = "spanrl.rollout_id"
 ATTEMPT_ID = "spanrl.attempt_id"
 SEQUENCE_ID = "spanrl.sequence_id"
 AGENT_NAME = "spanrl.agent_name"
+RECORD_TO = "spanrl.record_to"  # "eval": the bridge records the span on the evaluation topics
 REWARD_SPAN = "spanrl.reward"
 REWARD_VALUE = "spanrl.reward.value"
 REWARD_FINAL = "spanrl.reward.final"
@@ -45,6 +46,7 @@ class RolloutState:
     attempt_id: str
     agent_name: str | None = None
     _seq: Iterator[int] = field(default_factory=itertools.count, repr=False)
+    record_to: str | None = None  # "eval": an evaluation episode (spans.eval, rewards.eval)
 
     def next_sequence_id(self) -> int:
         return next(self._seq)  # atomic under the GIL
@@ -60,17 +62,22 @@ def current_rollout() -> RolloutState | None:
 
 
 @contextlib.contextmanager
-def rollout_context(rollout_id: str, attempt_id: str, agent_name: str | None = None) -> Iterator[RolloutState]:
+def rollout_context(rollout_id: str, attempt_id: str, agent_name: str | None = None,
+                    record_to: str | None = None) -> Iterator[RolloutState]:
     """Stamp spans started inside with this rollout; the sequence restarts at 0 per entry.
 
     Entering again with the same (rollout_id, attempt_id) only to change ``agent_name``
-    (a sub-agent) keeps the running sequence counter.
+    (a sub-agent) keeps the running sequence counter. ``record_to="eval"``: an evaluation
+    episode; the bridge records its spans on the evaluation topics, never the training ones.
     """
+    if record_to not in (None, "eval"):
+        raise ValueError(f"record_to must be None or 'eval', got {record_to!r}")
     outer = _current.get()
     if outer is not None and (outer.rollout_id, outer.attempt_id) == (rollout_id, attempt_id):
-        state = RolloutState(rollout_id, attempt_id, agent_name or outer.agent_name, outer._seq)
+        state = RolloutState(rollout_id, attempt_id, agent_name or outer.agent_name, outer._seq,
+                             record_to or outer.record_to)
     else:
-        state = RolloutState(rollout_id, attempt_id, agent_name)
+        state = RolloutState(rollout_id, attempt_id, agent_name, record_to=record_to)
     token = _current.set(state)
     try:
         yield state
@@ -90,15 +97,20 @@ class RolloutStampProcessor(SpanProcessor):
         span.set_attribute(SEQUENCE_ID, state.next_sequence_id())
         if state.agent_name:
             span.set_attribute(AGENT_NAME, state.agent_name)
+        if state.record_to:
+            span.set_attribute(RECORD_TO, state.record_to)
 
 
 def instrument(service_name: str, bridge_url: str | None = None, set_global: bool = True,
-               auth_token: SecretStr | str | None = None) -> TracerProvider:
+               auth_token: SecretStr | str | None = None, frameworks: bool = True) -> TracerProvider:
     """Build a TracerProvider exporting to ``bridge_url + "/v1/traces"`` (default: settings).
 
     ``set_global`` also installs it as OTel's global provider (only the first call in a
     process can; later calls still return a working provider used by :func:`emit_reward`).
     ``auth_token``: the bridge's bearer token (default: ``SPANRL_AUTH_TOKEN`` via settings).
+    ``frameworks``: also :func:`instrument_frameworks` with this provider (the agent
+    frameworks' own OpenTelemetry instrumentations, and trace context on LLM requests),
+    from which spanrl learns which agent made each LLM call.
     """
     global _provider
     if bridge_url is None or auth_token is None:
@@ -113,7 +125,132 @@ def instrument(service_name: str, bridge_url: str | None = None, set_global: boo
     if set_global:
         trace.set_tracer_provider(provider)
     _provider = provider
+    if frameworks:
+        instrument_frameworks(provider)
     return provider
+
+
+# ---- agent frameworks' telemetry ----------------------------------------------------
+
+#: OpenInference instrumentations spanrl turns on when their framework is installed:
+#: (framework module, instrumentor module, instrumentor class, keyword arguments).
+FRAMEWORK_INSTRUMENTORS = (
+    ("langchain_core", "openinference.instrumentation.langchain", "LangChainInstrumentor", {}),
+    # exclusive_processor: the Agents SDK's default trace processor uploads to OpenAI's
+    # servers; the spans go to spanrl's bridge only.
+    ("agents", "openinference.instrumentation.openai_agents", "OpenAIAgentsInstrumentor",
+     {"exclusive_processor": True}),
+    ("autogen_agentchat", "openinference.instrumentation.autogen_agentchat", "AutogenAgentChatInstrumentor", {}),
+)
+_instrumented: set[str] = set()
+
+
+def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
+    """Turn on the OpenTelemetry instrumentation of every installed agent framework of
+    :data:`FRAMEWORK_INSTRUMENTORS` (OpenInference: LangChain/LangGraph, the OpenAI Agents
+    SDK, AutoGen AgentChat) with ``provider`` (default: the one :func:`instrument` built),
+    and :func:`propagate_trace_context`. Idempotent; returns the frameworks instrumented by
+    this call. Their spans name the agent (LangGraph node, Agents SDK agent, AutoGen agent:
+    ``producers.otlp.span_agent_name``); the ``traceparent`` of each LLM request links the
+    proxy's record of the call to them (``stream_jobs.assembly.resolve_agent``)."""
+    import importlib
+    import importlib.util
+
+    provider = provider or _provider or trace.get_tracer_provider()
+    done = []
+    for framework, module, cls, kwargs in FRAMEWORK_INSTRUMENTORS:
+        if framework in _instrumented or importlib.util.find_spec(framework) is None:
+            continue
+        try:
+            instrumentor = getattr(importlib.import_module(module), cls)()
+        except ImportError:
+            continue
+        instrumentor.instrument(tracer_provider=provider, **kwargs)
+        _instrumented.add(framework)
+        done.append(framework)
+    propagate_trace_context()
+    return done
+
+
+def _call_context() -> otel_context.Context | None:
+    """The OTel context an outgoing LLM request belongs to: the innermost LangChain run's
+    span when OpenInference's LangChain instrumentation tracks one, else the current span."""
+    if "langchain_core" in _instrumented:
+        try:
+            import langchain_core.runnables.config  # noqa: F401 - get_current_span reads it
+            from openinference.instrumentation.langchain import get_current_span
+
+            lc_span = get_current_span()
+        except Exception:  # noqa: BLE001 - telemetry must never fail the agent's request
+            lc_span = None
+        if lc_span is not None and lc_span.get_span_context().is_valid:
+            return trace.set_span_in_context(lc_span)
+    if trace.get_current_span().get_span_context().is_valid:
+        return otel_context.get_current()
+    return None
+
+
+def _with_traceparent(send):
+    import functools
+
+    from opentelemetry.propagate import inject
+
+    @functools.wraps(send)
+    def wrapper(client, request, *args, **kwargs):
+        if "traceparent" not in request.headers and (ctx := _call_context()) is not None:
+            inject(request.headers, context=ctx)
+        return send(client, request, *args, **kwargs)
+
+    wrapper.__spanrl_traceparent__ = True
+    return wrapper
+
+
+def propagate_trace_context() -> list[str]:
+    """Make every request of ``httpx`` and ``httpx2`` clients (``httpx2`` is the HTTP
+    client of openai>=3, so of LangChain's ChatOpenAI, the Agents SDK and AutoGen) carry a
+    W3C ``traceparent`` of the span the request is made in (:func:`_call_context`), unless
+    the request has one already. Patches ``Client.send`` / ``AsyncClient.send`` of both
+    (the coroutine's request headers are set before it is awaited); idempotent; returns
+    the patched ``module.Class`` names.
+
+    Two gaps upstream, reported as follows:
+
+    *opentelemetry-python-contrib*: "No instrumentation for httpx2. openai>=3 (and with it
+    langchain-openai, openai-agents, autogen-ext) sends its requests with httpx2;
+    opentelemetry-instrumentation-httpx patches only httpx, so these requests carry no
+    traceparent and a server cannot join its spans to the client's trace."
+
+    *openinference-instrumentation-langchain*: "OpenInferenceTracer does not attach the
+    span of a run to the OpenTelemetry context (deliberately, see the comment in
+    ``_start_trace``), so an HTTP request a chat model makes inside a LangGraph node is not
+    a child of the node's or the model's span; a propagator injects the surrounding
+    context instead. ``get_current_span()`` exposes the run's span; propagating it needs
+    code like this."
+    """
+    import importlib
+
+    patched = []
+    for module in ("httpx", "httpx2"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        for cls_name in ("Client", "AsyncClient"):
+            cls = getattr(mod, cls_name)
+            if not getattr(cls.send, "__spanrl_traceparent__", False):
+                cls.send = _with_traceparent(cls.send)
+            patched.append(f"{module}.{cls_name}")
+    return patched
+
+
+def ensure_instrumented(service_name: str, bridge_url: str | None = None,
+                        auth_token: SecretStr | str | None = None) -> TracerProvider:
+    """The provider :func:`instrument` built in this process, else a new one (installed as
+    the global provider, with the frameworks' instrumentations) -- what a runner calls so
+    that agents it runs are traced without code of their own. Idempotent."""
+    if _provider is not None:
+        return _provider
+    return instrument(service_name, bridge_url, set_global=True, auth_token=auth_token)
 
 
 def _tracer() -> trace.Tracer:

@@ -37,6 +37,7 @@ class Converted:
     dead_reason: str | None = None
     dead_detail: str = ""
     raw: bytes = b""  # the protobuf Span, kept for the dead-letter payload
+    record_to: str | None = None  # "eval": an evaluation episode's span (spanrl.record_to)
 
 
 def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 8 << 20) -> ExportTraceServiceRequest:
@@ -161,6 +162,39 @@ def _as_int(value: object) -> int | None:
     return None
 
 
+#: Attributes that name the agent a span belongs to, in the order they are trusted: spanrl's
+#: own (``rollout_context(agent_name=...)``), the OpenTelemetry GenAI semantic conventions
+#: (``gen_ai.agent.name``: AutoGen core, OpenLLMetry), OpenInference's ``agent.name`` and
+#: ``graph.node.id`` (its OpenAI Agents SDK and AutoGen AgentChat instrumentations set both
+#: to the agent's name on the agent's span).
+AGENT_NAME_KEYS = (keys.AGENT_NAME, "gen_ai.agent.name", "agent.name", "graph.node.id")
+
+
+def span_agent_name(attrs: dict[str, object], resource_attrs: dict[str, object] | None = None) -> str | None:
+    """The agent name a span carries, or None: the first non-empty string of
+    :data:`AGENT_NAME_KEYS` (span attributes, then ``spanrl.agent_name`` of the resource),
+    else the LangGraph node of OpenInference's LangChain instrumentation (its ``metadata``
+    attribute is the run's metadata as JSON; LangGraph puts ``langgraph_node`` there, on the
+    node's span and on every run inside it, the chat model's included). Names starting with
+    ``__`` (LangGraph's ``__start__``) are not agents. Pure."""
+    for key in AGENT_NAME_KEYS:
+        v = attrs.get(key)
+        if isinstance(v, str) and v:
+            return v
+    v = (resource_attrs or {}).get(keys.AGENT_NAME)
+    if isinstance(v, str) and v:
+        return v
+    meta = attrs.get("metadata")
+    if isinstance(meta, str) and "langgraph_node" in meta:
+        try:
+            node = json.loads(meta).get("langgraph_node")
+        except (ValueError, AttributeError):
+            return None
+        if isinstance(node, str) and node and not node.startswith("__"):
+            return node
+    return None
+
+
 def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
     """One OTLP span -> Span record (+ Reward for a reward span) or a dead-letter reason."""
     attrs = {kv.key: any_value(kv.value) for kv in pb.attributes}
@@ -176,7 +210,7 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
     attempt = lookup(keys.ATTEMPT_ID)
     attempt_id = "0" if attempt is None else (attempt if isinstance(attempt, str) else stringify(attempt))
     seq = _as_int(lookup(keys.SEQUENCE_ID))
-    agent = lookup(keys.AGENT_NAME) or attrs.get("gen_ai.agent.name")
+    agent = span_agent_name(attrs, resource_attrs)
     kind = span_kind(pb.name, attrs)
     llm = llm_from_attrs(attrs, pb.span_id.hex()) if kind == "llm" else None
     span = {
@@ -198,12 +232,14 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
         "llm": llm,
         "payload_ref": None,
     }
-    out = Converted(rollout_id, span=span, raw=raw)
+    record_to = lookup(keys.RECORD_TO)
+    out = Converted(rollout_id, span=span, raw=raw, record_to=record_to if record_to == "eval" else None)
     if kind == "reward":
         try:
             out.reward = reward_from_attrs(rollout_id, attempt_id, attrs, pb.end_time_unix_nano or pb.start_time_unix_nano)
         except ValueError as exc:
-            return Converted(rollout_id, dead_reason="invalid_reward", dead_detail=str(exc), raw=raw)
+            return Converted(rollout_id, dead_reason="invalid_reward", dead_detail=str(exc), raw=raw,
+                             record_to=out.record_to)
     return out
 
 

@@ -119,10 +119,20 @@ class Runner:
     def __init__(self, agent: Callable[[RolloutContext], Any], group_size_default: int = 4,
                  timeout_s: float | None = None, concurrency: int = 8, group_id: str = "spanrl-runners",
                  bootstrap: str | None = None, proxy_url: str | None = None, topics: Topics | None = None,
-                 runner_id: str | None = None, settings=None):
+                 runner_id: str | None = None, settings=None, record_to: str | None = None,
+                 telemetry: bool = True):
+        """``record_to="eval"``: evaluation episodes (their OTel spans go to the evaluation
+        topics; see :func:`producers.instrument.rollout_context`). ``telemetry``: make sure
+        this process exports OTel spans to the bridge, the agent frameworks' included
+        (:func:`producers.instrument.ensure_instrumented`), so that each LLM call's agent is
+        known from the framework's own spans."""
         from infra.settings import get_settings
 
         s = settings or get_settings()
+        self.record_to = record_to
+        if telemetry:
+            instrument.ensure_instrumented(runner_id or "spanrl-runner", bridge_url=s.bridge_url,
+                                           auth_token=s.auth_token)
         self.agent = agent
         self.group_size_default = group_size_default
         self.timeout_s = timeout_s  # None: the task's timeout_s
@@ -177,7 +187,7 @@ class Runner:
             await self._retrying(f"rollout {rollout_id} started", lambda: self.sink.produce(started))
             status, error, result = "succeeded", None, None
             try:
-                with instrument.rollout_context(rollout_id, attempt_id):
+                with instrument.rollout_context(rollout_id, attempt_id, record_to=self.record_to):
                     if inspect.iscoroutinefunction(self.agent):
                         coro = self.agent(ctx)
                     else:  # to_thread copies the context, so the thread's spans are stamped too

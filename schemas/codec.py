@@ -38,6 +38,7 @@ RECORD_NAMES = {
     "sample": "spanrl.Sample",
     "checkpoint": "spanrl.CheckpointAnnouncement",
     "dead_letter": "spanrl.DeadLetter",
+    "call_account": "spanrl.CallAccount",
 }
 #: record types another record type refers to by name (parsed first)
 _DEPENDS = {"sample": ("transition",)}
@@ -158,7 +159,8 @@ def _check_scalars(avro: Any, value: Any, where: str) -> None:
         if avro.get("type") == "array":
             if isinstance(value, (str, bytes, bytearray, Mapping)) or not hasattr(value, "__iter__"):
                 raise SchemaError("schema_error", f"{where}: array field got {type(value).__name__}")
-            if avro["items"] in _INT_RANGE and hasattr(value, "__len__") and len(value):  # min/max: C speed
+            if isinstance(avro["items"], str) and avro["items"] in _INT_RANGE and hasattr(value, "__len__") \
+                    and len(value):  # min/max: C speed
                 lo, hi = _INT_RANGE[avro["items"]]
                 try:
                     inside = bool(lo <= min(value) and max(value) <= hi)

@@ -50,6 +50,8 @@ TRANSITIONS = Topic("transitions", "task_id", "transition", ROLLOUT_PARTITIONS, 
 SAMPLES = Topic("samples", "task_id", "sample", 1, retention_ms=-1)
 CHECKPOINTS = Topic("checkpoints", "run", "checkpoint", 1, retention_ms=-1, compact=False)
 DEAD_LETTER = Topic("dead-letter", "rollout_id", "dead_letter", 1, retention_ms=-1)
+#: one record per ended attempt: each LLM call, its resolved agent, trained or not (selective training)
+CALL_ACCOUNTS = Topic("call-accounts", "rollout_id", "call_account", ROLLOUT_PARTITIONS, retention_ms=-1)
 
 
 
@@ -71,6 +73,6 @@ DEAD_LETTER_EVAL = derived(DEAD_LETTER, EVAL_SUFFIX)
 TRAINING_INPUTS = (SPANS, REWARDS, ROLLOUTS)
 EVAL_TOPICS = (SPANS_EVAL, REWARDS_EVAL, ROLLOUTS_EVAL, DEAD_LETTER_EVAL)
 
-ALL: tuple[Topic, ...] = (SPANS, REWARDS, ROLLOUTS, TASKS, TRANSITIONS, SAMPLES, CHECKPOINTS, DEAD_LETTER,
+ALL: tuple[Topic, ...] = (SPANS, REWARDS, ROLLOUTS, TASKS, TRANSITIONS, SAMPLES, CHECKPOINTS, DEAD_LETTER, CALL_ACCOUNTS,
                           *EVAL_TOPICS)
 BY_NAME = {t.name: t for t in ALL}

@@ -47,8 +47,10 @@ class StreamConfig:
     transitions_topic: str = topics.TRANSITIONS.name
     samples_topic: str = topics.SAMPLES.name
     dead_letter_topic: str = topics.DEAD_LETTER.name
+    call_accounts_topic: str = topics.CALL_ACCOUNTS.name
     credit_rule: str = "identical"
-    train_agents: frozenset[str] | None = None
+    #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
+    train_agents: assembly.AgentSelector | frozenset[str] | None = None
     reward_timeout_s: float = 60.0
     group_timeout_s: float = 120.0
     rollout_timeout_s: float = 900.0
@@ -67,7 +69,7 @@ class StreamConfig:
 
         env = dict(os.environ if env is None else env)
         s = get_settings()
-        agents = {a.strip() for a in env.get("SPANRL_TRAIN_AGENTS", "").split(",") if a.strip()}
+        agents = assembly.parse_train_agents(env.get("SPANRL_TRAIN_AGENTS"))
         g = env.get
         return cls(
             app_id=g("SPANRL_STREAM_APP_ID", "spanrl-stream"),
@@ -80,8 +82,9 @@ class StreamConfig:
             transitions_topic=g("SPANRL_TRANSITIONS_TOPIC", topics.TRANSITIONS.name),
             samples_topic=g("SPANRL_SAMPLES_TOPIC", topics.SAMPLES.name),
             dead_letter_topic=g("SPANRL_DEAD_LETTER_TOPIC", topics.DEAD_LETTER.name),
+            call_accounts_topic=g("SPANRL_CALL_ACCOUNTS_TOPIC", topics.CALL_ACCOUNTS.name),
             credit_rule=g("SPANRL_CREDIT_RULE", "identical"),
-            train_agents=frozenset(agents) or None,
+            train_agents=agents,
             reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),
             group_timeout_s=float(g("SPANRL_GROUP_TIMEOUT_S", "120")),
             rollout_timeout_s=float(g("SPANRL_ROLLOUT_TIMEOUT_S", "900")),
@@ -239,6 +242,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     # ticks judge timeouts behind the wall clock while a backlog is read (stream_jobs/clock.py)
     rollout_clock, group_clock = TimeoutClock(), TimeoutClock()
     dead_reasons: Counter = Counter()
+    agent_counts: Counter = Counter()  # (agent, trained | excluded) -> calls
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     # Timeouts: a timer cannot write tables or produce inside a transaction (no event),
@@ -249,6 +253,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     transitions_out = app.topic(cfg.transitions_topic, **raw)
     samples_out = app.topic(cfg.samples_topic, **raw)
     dead_out = app.topic(cfg.dead_letter_topic, **raw)
+    accounts_out = app.topic(cfg.call_accounts_topic, **raw)
 
     # Faust serializes a table's changelog with the serializer it derives from the Table's
     # own key_type/value_type (bytes -> raw, else json), not with a Schema's serializers,
@@ -287,6 +292,13 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                               rollout_id=t["rollout_id"], task_id=t["task_id"],
                               detail=f"{what} of attempt {t['attempt_id']} span {t['span_id']}: "
                                      f"{size} bytes > {limit}")
+
+    async def send_accounts(records: list[dict]) -> None:
+        for r in records:
+            await accounts_out.send(key=r["rollout_id"].encode(), value=codec.encode("call_account", r))
+            counters["call_accounts_out"] += 1
+            for c in r["calls"]:
+                agent_counts[(c["agent_name"] or "(unresolved)", "trained" if c["trained"] else "excluded")] += 1
 
     async def send_transitions(records: list[dict]) -> None:
         limit = topics.TRANSITIONS.max_message_bytes
@@ -369,6 +381,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             await send_dead(input_dead, msg, msg.value)
             await send_transitions(out.transitions)
             await send_dead(out.dead_letters)
+            await send_accounts(out.accounts)
 
     async def _tick_rollouts(partition: int, now: int) -> None:
         for rid in list(rollouts.keys()):
@@ -383,6 +396,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 rollouts[rid] = state
                 await send_transitions(out.transitions)
                 await send_dead(out.dead_letters)
+                await send_accounts(out.accounts)
 
     @app.agent(app.topic(cfg.transitions_topic, task_ticks.get_topic_name(), internal=True,
                          partitions=task_partitions, **raw))
@@ -448,6 +462,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             "rollout_events_in": counters["rollout_events_in"],
             "transitions_out": counters["transitions_out"], "samples_out": counters["samples_out"],
             "dead_letters_out": dict(dead_reasons),
+            "call_accounts_out": counters["call_accounts_out"],
+            "calls_by_agent": {f"{agent}|{how}": n for (agent, how), n in sorted(agent_counts.items())},
         })
 
     @app.page("/spanrl/health/")

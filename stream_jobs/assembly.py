@@ -26,9 +26,18 @@ any order. An attempt ends, exactly once, in one of:
   attempt never had a lifecycle event nor a selected call (e.g. a reward for a rollout
   id no runner announced: a typo, or an evaluator scoring another run's rollout).
 
-Selected calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source ==
-"proxy"``) or carrying token data (``llm`` set), of the trained agents when ``agents`` is
-given, ordered by ``(sequence_id, span_id)``. Such a span without ``llm`` or with no
+Calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source == "proxy"``) or
+carrying token data (``llm`` set), ordered by ``(sequence_id, span_id)``. Every other span
+(the agent framework's own telemetry, via the bridge) is kept as a *link* (its parent span
+id and the agent name it carries), so that when the attempt ends each call's agent is
+resolved (:func:`resolve_agent`): the name the call itself carries (the proxy's
+``x-spanrl-agent`` header, an explicit override), else the nearest ancestor span, through
+the call's W3C trace parent, that names an agent (a LangGraph node, an Agents SDK agent, an
+AutoGen agent; ``producers.otlp.span_agent_name``), else *unresolved*. Selected calls are
+those whose agent the config's :class:`AgentSelector` selects (no selector: every call,
+unresolved ones included; with one: unresolved calls are never selected). Every ended
+attempt also yields one *call account* (schemas/avro/call_account.v1.avsc): each call, its
+resolved agent, how it was resolved and whether it trained. Such a span without ``llm`` or with no
 completion token ids -> dead letter ``missing_token_ids`` for that span alone (the other
 calls still train); completion logprobs not one per token -> ``logprobs_mismatch``; call
 data over ``max_call_bytes`` -> ``oversize``.
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import sys
 from array import array
@@ -50,17 +60,99 @@ from stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_
 TERMINAL = frozenset({"succeeded", "failed", "timeout"})
 EMITTED = "emitted"
 DEAD = "dead_letter"
+MAX_LINK_DEPTH = 64  # ancestors walked to find a call's agent (a cycle or a deep tree ends it)
+
+
+@dataclass(frozen=True)
+class AgentSelector:
+    """Which agents' calls train: exact ``names``, or a regular expression ``pattern``
+    (``re.fullmatch``). An unresolved agent (None) is never selected."""
+
+    names: frozenset[str] | None = None
+    pattern: str | None = None
+
+    def __post_init__(self):
+        if (self.names is None) == (self.pattern is None):
+            raise ValueError("give exactly one of names, pattern")
+        if self.pattern is not None:
+            re.compile(self.pattern)  # re.error for a bad expression
+
+    def selects(self, agent: str | None) -> bool:
+        if agent is None:
+            return False
+        if self.names is not None:
+            return agent in self.names
+        return re.fullmatch(self.pattern, agent) is not None
+
+    def describe(self) -> str:
+        return f"re:{self.pattern}" if self.pattern is not None else ",".join(sorted(self.names))
+
+
+def parse_train_agents(text: str | None) -> AgentSelector | None:
+    """``SPANRL_TRAIN_AGENTS``: empty/None -> None (every call trains); ``re:EXPR`` -> a
+    regular expression matched against the whole agent name; else a comma-separated list
+    of names (``write_query,rewrite_query``). Raises ValueError for a bad expression or a
+    list with no name."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if text.startswith("re:"):
+        try:
+            return AgentSelector(pattern=text[3:])
+        except re.error as exc:
+            raise ValueError(f"SPANRL_TRAIN_AGENTS: bad regular expression {text[3:]!r}: {exc}") from exc
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise ValueError(f"SPANRL_TRAIN_AGENTS: no agent name in {text!r}")
+    return AgentSelector(names=names)
+
+
+def selects(agents: "AgentSelector | frozenset[str] | None", agent: str | None) -> bool:
+    """Whether a call of ``agent`` (None: unresolved) trains under ``agents`` (None: all)."""
+    if agents is None:
+        return True
+    if isinstance(agents, AgentSelector):
+        return agents.selects(agent)
+    return agent is not None and agent in agents
+
+
+def describe_selection(agents: "AgentSelector | frozenset[str] | None") -> str:
+    if agents is None:
+        return "all"
+    return agents.describe() if isinstance(agents, AgentSelector) else ",".join(sorted(agents))
+
+
+def resolve_agent(call: dict, links: dict[str, list]) -> tuple[str | None, str]:
+    """(agent name, how) of one call: ``(name, "call")`` when the call carries a name (the
+    proxy's ``x-spanrl-agent`` header, or the span's own attributes); else walk the trace
+    from the call's parent span through ``links`` (span_id -> [parent_span_id, agent name
+    or None], the attempt's other spans) and return ``(name, "telemetry")`` for the nearest
+    span that names an agent; else ``(None, "unresolved")`` (no trace parent, a parent
+    never received, or no named ancestor within :data:`MAX_LINK_DEPTH`). Pure."""
+    if call.get("agent_name"):
+        return call["agent_name"], "call"
+    sid, seen = call.get("parent"), set()
+    while sid and sid not in seen and len(seen) < MAX_LINK_DEPTH:
+        seen.add(sid)
+        link = links.get(sid)
+        if link is None:
+            break
+        if link[1]:
+            return link[1], "telemetry"
+        sid = link[0]
+    return None, "unresolved"
 
 
 @dataclass(frozen=True)
 class AssemblyConfig:
-    """credit_rule: credit per call; agents: names of trained agents (None: all);
+    """credit_rule: credit per call; agents: the agents whose calls train (an
+    :class:`AgentSelector`, or a frozenset of names; None: all);
     reward_timeout_s / rollout_timeout_s: see the module doc; max_call_bytes: a call
     whose store value (:func:`encode_call`) is larger is dead-lettered ``oversize``
     (None: no limit; the app sets it so that its transition fits the topic)."""
 
     credit_rule: CreditRule = field(default_factory=lambda: parse_credit_rule("identical"))
-    agents: frozenset[str] | None = None
+    agents: AgentSelector | frozenset[str] | None = None
     reward_timeout_s: float = 60.0
     rollout_timeout_s: float = 900.0
     settle_s: float = 2.0
@@ -74,10 +166,12 @@ class Outcome:
     transitions: list[dict] = field(default_factory=list)
     dead_letters: list[dict] = field(default_factory=list)
     changed: bool = False  # the state changed and must be written back
+    accounts: list[dict] = field(default_factory=list)  # call accounts of ended attempts
 
     def extend(self, other: "Outcome") -> "Outcome":
         self.transitions += other.transitions
         self.dead_letters += other.dead_letters
+        self.accounts += other.accounts
         self.changed = self.changed or other.changed
         return self
 
@@ -92,7 +186,8 @@ def _attempt(state: dict, attempt_id: str, now_ms: int) -> dict:
     if a is None:
         a = state["attempts"][attempt_id] = {
             "task_id": None, "group_size": None, "status": None, "error": None,
-            "calls": {},        # span_id -> {"sequence_id", "agent_name"}; tokens in the store
+            "calls": {},        # span_id -> {"sequence_id", "agent_name", "parent"}; tokens in the store
+            "links": {},        # span_id -> [parent_span_id, agent name]: the agent's other spans
             "bad_spans": [],    # span ids already dead-lettered
             "rewards": [],      # reward events in arrival order (value, final, name, span_id)
             "first_ms": now_ms, "last_ms": now_ms, "ended_ms": None, "ready_ms": None,
@@ -167,17 +262,26 @@ def decode_call(data: bytes) -> dict:
 
 def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyConfig,
              now_ms: int) -> Outcome:
-    """Record one span (decoded span.v1). Non-LLM spans and calls of untrained agents are
-    not training data and leave no trace (``changed`` stays False); a bad LLM span yields
-    its dead letter."""
+    """Record one span (decoded span.v1). A call (see the module doc) is kept with its token
+    data; any other span that names an agent or has a parent becomes a link of its
+    attempt (until the attempt ends; a span with neither leaves no trace, ``changed``
+    stays False); a bad call yields its dead letter. Which calls train is decided when
+    the attempt ends, once the links are in."""
     out = Outcome()
-    if span.get("kind") != "llm":
-        return out
-    if span.get("source") != "proxy" and not span.get("llm"):
-        return out  # the agent's own GenAI telemetry of a call the proxy recorded with tokens
-    if config.agents is not None and span.get("agent_name") not in config.agents:
-        return out
     rid, aid, sid = span["rollout_id"], span["attempt_id"], span["span_id"]
+    if span.get("kind") != "llm" or (span.get("source") != "proxy" and not span.get("llm")):
+        # the agent's own telemetry (its framework's spans, its GenAI span of a call the
+        # proxy recorded with tokens): not training data, but it names agents
+        parent, agent = span.get("parent_span_id"), span.get("agent_name")
+        if not (parent or agent):
+            return out
+        a = state["attempts"].get(aid)
+        if a is not None and (a["done"] is not None or a.get("links", {}).get(sid) == [parent, agent]):
+            return out
+        a = _attempt(state, aid, now_ms)
+        a.setdefault("links", {})[sid] = [parent, agent]
+        out.changed = True
+        return out
     a = _attempt(state, aid, now_ms)
     out.changed = True
     if sid in a["calls"] or sid in a["bad_spans"]:
@@ -206,7 +310,8 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         out.dead_letters.append(dl.dead_letter(
             reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"], detail=detail))
         return out
-    a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name")}
+    a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name"),
+                       "parent": span.get("parent_span_id")}
     store[store_key(rid, aid, sid)] = value
     return out
 
@@ -269,11 +374,12 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
                      config: AssemblyConfig, now_ms: int) -> Outcome:
     out = Outcome()
 
-    def dead(reason: str, detail: str) -> Outcome:
+    def dead(reason: str, detail: str, trained: frozenset = frozenset()) -> Outcome:
         out.changed = True
         out.dead_letters.append(dl.dead_letter(
             reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"],
             detail=f"attempt {aid}: {detail}"))
+        out.accounts.append(call_account(rid, aid, a, reason, trained, config, now_ms))
         _finish(rid, aid, a, store, DEAD, now_ms)
         return out
 
@@ -300,23 +406,60 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
         out.changed = True
     if now_ms - a["ready_ms"] < config.settle_s * 1000:
         return out
-    if not a["calls"]:
-        return dead(dl.NO_LLM_CALLS, f"status {a['status']}, return {R!r}, no selected llm call")
-    out.transitions = build_transitions(rid, aid, a, R, store, config.credit_rule)
+    resolved = resolved_agents(a)
+    chosen = selected_calls(a, config.agents, resolved)
+    if not chosen:
+        excluded = len(a["calls"])
+        return dead(dl.NO_LLM_CALLS, f"status {a['status']}, return {R!r}, no selected llm call"
+                    + (f" ({excluded} calls of agents not selected by {describe_selection(config.agents)})"
+                       if excluded else ""))
+    out.transitions = build_transitions(rid, aid, a, R, store, config.credit_rule, chosen, resolved)
+    out.accounts.append(call_account(rid, aid, a, EMITTED, frozenset(chosen), config, now_ms, resolved))
     out.changed = True
     _finish(rid, aid, a, store, EMITTED, now_ms)
     return out
 
 
-def selected_calls(a: dict) -> list[str]:
-    """Span ids of an attempt's selected calls in call order (sequence_id, then span_id)."""
-    return sorted(a["calls"], key=lambda sid: (a["calls"][sid]["sequence_id"], sid))
+def resolved_agents(a: dict) -> dict[str, tuple[str | None, str]]:
+    """span_id -> (agent name, how) for every call of the attempt (:func:`resolve_agent`)."""
+    links = a.get("links", {})
+    return {sid: resolve_agent(call, links) for sid, call in a["calls"].items()}
+
+
+def selected_calls(a: dict, agents: "AgentSelector | frozenset[str] | None" = None,
+                   resolved: dict[str, tuple[str | None, str]] | None = None) -> list[str]:
+    """Span ids of an attempt's calls that train under ``agents`` (None: all), in call order
+    (sequence_id, then span_id)."""
+    resolved = resolved if resolved is not None else resolved_agents(a)
+    return sorted((sid for sid in a["calls"] if selects(agents, resolved[sid][0])),
+                  key=lambda sid: (a["calls"][sid]["sequence_id"], sid))
+
+
+def call_account(rid: str, aid: str, a: dict, outcome: str, trained: frozenset, config: AssemblyConfig,
+                 now_ms: int, resolved: dict[str, tuple[str | None, str]] | None = None) -> dict:
+    """The call account (schemas/avro/call_account.v1.avsc) of an ended attempt: every
+    call in call order with its resolved agent, how it was resolved (``call`` | ``telemetry``
+    | ``unresolved``) and whether it became a transition; ``outcome`` is ``emitted`` or the
+    attempt's dead-letter reason."""
+    resolved = resolved if resolved is not None else resolved_agents(a)
+    order = sorted(a["calls"], key=lambda sid: (a["calls"][sid]["sequence_id"], sid))
+    return {
+        "schema_version": 1, "rollout_id": rid, "attempt_id": aid, "task_id": a["task_id"],
+        "outcome": outcome, "selection": describe_selection(config.agents),
+        "calls": [{"span_id": sid, "sequence_id": a["calls"][sid]["sequence_id"],
+                   "agent_name": resolved[sid][0], "agent_source": resolved[sid][1],
+                   "trained": sid in trained} for sid in order],
+        "timestamp_ms": now_ms,
+    }
 
 
 def build_transitions(rid: str, aid: str, a: dict, R: float, store: MutableMapping,
-                      rule: CreditRule) -> list[dict]:
-    """Transition dicts (schemas/avro/transition.v1.avsc) of an ended attempt with return R."""
-    order = selected_calls(a)
+                      rule: CreditRule, order: list[str] | None = None,
+                      resolved: dict[str, tuple[str | None, str]] | None = None) -> list[dict]:
+    """Transition dicts (schemas/avro/transition.v1.avsc) of an ended attempt with return R,
+    one per call of ``order`` (default: every call), credited over those calls only."""
+    resolved = resolved if resolved is not None else resolved_agents(a)
+    order = order if order is not None else selected_calls(a, None, resolved)
     T = len(order)
     rewards = rule(R, T)  # LightningRL s3.3.2: identical credit -> every call gets R
     transitions = []
@@ -332,7 +475,7 @@ def build_transitions(rid: str, aid: str, a: dict, R: float, store: MutableMappi
             "sequence_id": a["calls"][sid]["sequence_id"],
             "call_index": t,
             "rollout_transition_count": T,
-            "agent_name": a["calls"][sid]["agent_name"],
+            "agent_name": resolved[sid][0],
             "model": call["model"],
             "policy_version": call["policy_version"],
             "prompt_token_ids": call["prompt_token_ids"],

@@ -205,14 +205,20 @@ def test_store_holds_encoded_calls():
 
 def test_changed_only_when_the_state_changed():
     state, store = assembly.new_state("r1"), {}
-    assert not assembly.add_span(state, span("tool", 1, kind="tool", llm=False), store, CFG, 0).changed
-    assert not assembly.add_span(state, span("otel", 2, llm=False, source="otlp"), store, CFG, 0).changed
+    # telemetry naming no agent and without a parent links nothing: no trace
+    assert not assembly.add_span(state, span("tool", 1, kind="tool", llm=False, agent=None), store, CFG, 0).changed
+    assert not assembly.add_span(state, span("otel", 2, llm=False, source="otlp", agent=None), store, CFG, 0).changed
     assert state == assembly.new_state("r1") and store == {}
+    # a span naming an agent is a link; the same link again changes nothing
+    assert assembly.add_span(state, span("node", 2, kind="chain", llm=False, agent="solver"), store, CFG, 0).changed
+    assert state["attempts"]["a0"]["links"] == {"node": [None, "solver"]}
+    assert not assembly.add_span(state, span("node", 2, kind="chain", llm=False, agent="solver"), store, CFG, 0).changed
     assert assembly.add_span(state, span("a", 3), store, CFG, 0).changed
     assert assembly.add_reward(state, reward(1.0), 0).changed
     assert assembly.add_rollout_event(state, lifecycle("succeeded"), 0).changed
+    # selection happens when the attempt ends: a call of an unselected agent is kept until then
     critic = assembly.AssemblyConfig(agents=frozenset({"critic"}))
-    assert not assembly.add_span(state, span("b", 4), store, critic, 0).changed
+    assert assembly.add_span(state, span("b", 4), store, critic, 0).changed
 
 def test_oversize_call_dead_letters_that_span_only():
     # header 17 + 4 bytes per id and log-prob + 6 ("policy"): span a 17 + 28 + 6 = 51, span b 59
@@ -224,3 +230,129 @@ def test_oversize_call_dead_letters_that_span_only():
                                              "(its transition would not fit the topic)")
     assert [(t["span_id"], t["rollout_transition_count"]) for t in out.transitions] == [("a", 1)]
     assert store == {}
+
+
+# ---- agents of calls: resolution through the trace, selection, call accounts ----------
+
+def fw(sid, parent, agent=None, kind="chain", attempt="a0"):
+    """A framework span (bridge, no token data) with its trace parent."""
+    return {**span(sid, -1, kind=kind, agent=agent, llm=False, attempt=attempt, source="otlp"),
+            "parent_span_id": parent}
+
+
+def call(sid, seq, parent, agent=None, attempt="a0"):
+    """A proxy call whose traceparent named ``parent``; ``agent``: the x-spanrl-agent header."""
+    return {**span(sid, seq, agent=agent, attempt=attempt), "parent_span_id": parent}
+
+
+def sql_team_events():
+    """A LangGraph write_query -> check_query -> rewrite_query episode as OpenInference and
+    the proxy record it: each call's traceparent is its node's span (or the chat model's
+    span inside it); the calls arrive before some of the node spans."""
+    return [
+        (0, "span", call("c1", 1, "n-write")),
+        (0, "span", call("c2", 2, "llm-check")),
+        (0, "span", call("c3", 3, "n-rewrite")),
+        (0, "span", call("c4", 4, None)),            # a call with no trace context
+        (0.5, "span", fw("graph", None)),
+        (0.5, "span", fw("n-write", "graph", "write_query")),
+        (0.5, "span", fw("n-check", "graph", "check_query")),
+        (0.5, "span", fw("llm-check", "n-check", kind="llm")),
+        (0.5, "span", fw("n-rewrite", "graph", "rewrite_query")),
+        (1, "life", lifecycle("succeeded")), (1, "reward", reward(1.0)),
+    ]
+
+
+def test_resolve_agent_walks_the_trace():
+    links = {"gen": ["agent", None], "agent": ["root", "answerer"], "root": [None, None],
+             "x": ["y", None], "y": ["x", None]}
+    assert assembly.resolve_agent({"agent_name": None, "parent": "gen"}, links) == ("answerer", "telemetry")
+    assert assembly.resolve_agent({"agent_name": None, "parent": "agent"}, links) == ("answerer", "telemetry")
+    assert assembly.resolve_agent({"agent_name": "hdr", "parent": "gen"}, links) == ("hdr", "call")
+    assert assembly.resolve_agent({"agent_name": None, "parent": "root"}, links) == (None, "unresolved")
+    assert assembly.resolve_agent({"agent_name": None, "parent": "missing"}, links) == (None, "unresolved")
+    assert assembly.resolve_agent({"agent_name": None, "parent": None}, links) == (None, "unresolved")
+    assert assembly.resolve_agent({"agent_name": None, "parent": "x"}, links) == (None, "unresolved")  # cycle
+    deep = {f"s{i}": [f"s{i + 1}", None] for i in range(100)} | {"s100": [None, "far"]}
+    assert assembly.resolve_agent({"agent_name": None, "parent": "s0"}, deep) == (None, "unresolved")
+    assert assembly.resolve_agent({"agent_name": None, "parent": "s40"}, deep) == ("far", "telemetry")
+
+
+def test_parse_train_agents():
+    assert assembly.parse_train_agents(None) is None and assembly.parse_train_agents("  ") is None
+    sel = assembly.parse_train_agents("write_query, rewrite_query,")
+    assert sel.names == frozenset({"write_query", "rewrite_query"}) and sel.describe() == "rewrite_query,write_query"
+    assert sel.selects("write_query") and not sel.selects("check_query") and not sel.selects(None)
+    rx = assembly.parse_train_agents("re:(re)?write_query")
+    assert rx.selects("write_query") and rx.selects("rewrite_query") and not rx.selects("write_query2")
+    assert rx.describe() == "re:(re)?write_query"
+    for bad in ("re:(", ",", " , "):
+        try:
+            assembly.parse_train_agents(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} accepted")
+
+
+def test_selective_training_by_resolved_agent_with_call_accounts():
+    cfg = assembly.AssemblyConfig(agents=assembly.parse_train_agents("write_query,rewrite_query"), settle_s=2)
+    out, state, store = run(sql_team_events(), cfg)
+    assert out.dead_letters == [] and store == {}
+    trs = out.transitions
+    assert [(t["span_id"], t["agent_name"]) for t in trs] == [("c1", "write_query"), ("c3", "rewrite_query")]
+    assert [t["call_index"] for t in trs] == [0, 1] and {t["rollout_transition_count"] for t in trs} == {2}
+    [acc] = out.accounts
+    assert acc["outcome"] == "emitted" and acc["selection"] == "rewrite_query,write_query" and acc["task_id"] == "t1"
+    assert [(c["span_id"], c["agent_name"], c["agent_source"], c["trained"]) for c in acc["calls"]] == [
+        ("c1", "write_query", "telemetry", True), ("c2", "check_query", "telemetry", False),
+        ("c3", "rewrite_query", "telemetry", True), ("c4", None, "unresolved", False)]
+    assert codec.decode("call_account", codec.encode("call_account", acc)) == acc
+    # a framework span after the attempt ended changes nothing
+    assert not assembly.add_span(state, fw("late", "graph", "write_query"), store, cfg, 30 * S).changed
+
+
+def test_without_a_selector_every_call_trains_unresolved_ones_included():
+    out, _, _ = run(sql_team_events(), assembly.AssemblyConfig(settle_s=2))
+    assert [(t["span_id"], t["agent_name"]) for t in out.transitions] == [
+        ("c1", "write_query"), ("c2", "check_query"), ("c3", "rewrite_query"), ("c4", None)]
+    assert [c["trained"] for c in out.accounts[0]["calls"]] == [True] * 4 and out.accounts[0]["selection"] == "all"
+
+
+def test_header_overrides_telemetry_and_regex_selection():
+    events = [(0, "span", call("c1", 1, "n-write", agent="writer-v2")), (0, "span", fw("n-write", None, "write_query")),
+              (0, "span", call("c2", 2, "n-write")), (1, "life", lifecycle("succeeded")), (1, "reward", reward(0.5))]
+    cfg = assembly.AssemblyConfig(agents=assembly.parse_train_agents("re:writer-.*"), settle_s=0)
+    out, _, _ = run(events, cfg)
+    assert [(t["span_id"], t["agent_name"]) for t in out.transitions] == [("c1", "writer-v2")]
+    assert [(c["agent_name"], c["agent_source"]) for c in out.accounts[0]["calls"]] == [
+        ("writer-v2", "call"), ("write_query", "telemetry")]
+
+
+def test_every_call_excluded_is_a_no_llm_calls_dead_letter_with_its_account():
+    cfg = assembly.AssemblyConfig(agents=frozenset({"planner"}), settle_s=0)
+    out, _, store = run(sql_team_events(), cfg)
+    assert out.transitions == [] and store == {}
+    [d] = out.dead_letters
+    assert d["reason"] == "no_llm_calls" and "4 calls of agents not selected by planner" in d["detail"]
+    [acc] = out.accounts
+    assert acc["outcome"] == "no_llm_calls" and not any(c["trained"] for c in acc["calls"])
+
+
+def test_timed_out_attempt_has_an_account_too():
+    out, _, _ = run([(0, "span", call("c1", 1, "n")), (0, "span", fw("n", None, "solver"))], until_s=200)
+    assert [d["reason"] for d in out.dead_letters] == ["rollout_timeout"]
+    assert [(c["agent_name"], c["trained"]) for c in out.accounts[0]["calls"]] == [("solver", False)]
+
+
+def test_agent_counts_of_call_accounts():
+    from infra.replay import agent_counts
+
+    out, _, _ = run(sql_team_events(), assembly.AssemblyConfig(
+        agents=assembly.parse_train_agents("write_query,rewrite_query"), settle_s=0))
+    twice = out.accounts * 2
+    assert agent_counts(twice) == {
+        "(unresolved)": {"calls": 2, "trained": 0, "excluded": 2},
+        "check_query": {"calls": 2, "trained": 0, "excluded": 2},
+        "rewrite_query": {"calls": 2, "trained": 2, "excluded": 0},
+        "write_query": {"calls": 2, "trained": 2, "excluded": 0}}
+    assert agent_counts([]) == {}
