@@ -9,9 +9,11 @@ export SPANRL_CACHE_DIR := $(CACHE)
 bootstrap:
 	@bash infra/bootstrap.sh
 
-## Main job: start the stack, run the calculator math agent through the whole loop, stop.
+## Main job: start the stack, run an example agent through the whole loop, stop.
+## AGENT=math (default: the one whose learning was measured) | sql | rag.
+AGENT ?= math
 demo: bootstrap
-	$(PY) -m infra.cli demo $(ARGS)
+	$(PY) -m infra.cli demo --agent $(AGENT) $(ARGS)
 
 ## Unit + integration tests against the real local stack (what .ci/run calls).
 test: bootstrap

@@ -218,10 +218,13 @@ def clean(
 
 @app.command()
 def demo(
-    iterations: int = typer.Option(4, help="tasks -> rollouts -> samples -> update -> reload cycles"),
-    tasks: int = typer.Option(6, help="new training tasks per iteration"),
-    group_size: int = typer.Option(6, help="rollouts per task (GRPO group)"),
-    heldout_tasks: int = typer.Option(200, help="held-out tasks evaluated before and after (0: none)"),
+    agent: str = typer.Option("math", help="math (AutoGen calculator) | sql (LangGraph text-to-SQL team, "
+                              "write/rewrite trained, check excluded) | rag (Agents SDK retrieval)"),
+    iterations: int = typer.Option(None, help="tasks -> rollouts -> samples -> update -> reload cycles "
+                                   "(default: the agent's DEMO size)"),
+    tasks: int = typer.Option(None, help="new training tasks per iteration"),
+    group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
+    heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after (0: none)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
 ) -> None:
@@ -230,17 +233,29 @@ def demo(
     import os
     from pathlib import Path
 
+    from examples.agents import agent_spec
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
 
-    if not Stack().running("trainer"):  # the demo's trainer settings, unless set in the environment
+    try:
+        spec = agent_spec(agent)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc))
+    size = {**spec.DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks, "group_size": group_size,
+                                               "heldout_tasks": heldout_tasks}.items() if v is not None}}
+    if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
         for k, v in DEMO_TRAINER_ENV.items():
             os.environ.setdefault(k, v)
+        os.environ.setdefault("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)  # read by the stream job at start
+    elif os.environ.get("SPANRL_TRAIN_AGENTS", "") != spec.TRAIN_AGENTS:
+        console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s demo "
+                      f"trains {spec.TRAIN_AGENTS or 'every agent'} (restart the stack to apply)[/yellow]")
     _check_free_space("demo")
     stack = _fresh_run("demo")
     _up_or_exit(stack)
     try:
-        summary = run_main_job(MainJobConfig(iterations=iterations, tasks_per_iteration=tasks,
-                                             group_size=group_size, heldout_tasks=heldout_tasks,
+        summary = run_main_job(MainJobConfig(agent=agent, iterations=size["iterations"],
+                                             tasks_per_iteration=size["tasks"], group_size=size["group_size"],
+                                             heldout_tasks=size["heldout_tasks"],
                                              out_dir=Path(out)), console=console)
     finally:
         if not keep_up:
@@ -252,8 +267,10 @@ def demo(
 def eval_cmd(
     policy: list[str] = typer.Option(["base"], help="base or RUN:VERSION (repeat: compared on the same tasks, "
                                      "paired differences against the first)"),
-    agent: str = typer.Option("examples.math_agent.agent:math_agent", help="runner callable module:attribute"),
-    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic"),
+    agent: str = typer.Option(None, help="runner callable module:attribute (default: the RUNNER of the task "
+                              "set's agent, examples/agents.py; the math agent for arith_word/gsm_symbolic)"),
+    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic (math) | AGENT:SPLIT, e.g. "
+                                 "sql:heldout, rag:heldout (examples/agents.py)"),
     seed: int = typer.Option(1000, help="task seed (the main job trains on seed 0; 1000 is held out: "
                              "examples/math_agent/tasks.py TRAIN_SEED, HELDOUT_SEED)"),
     tasks: int = typer.Option(200, help="number of tasks"),
@@ -272,6 +289,13 @@ def eval_cmd(
 
     from infra.evaluation import EvalConfig, EvalError, evaluate
 
+    if agent is None:
+        from examples.agents import agent_spec
+
+        try:
+            agent = agent_spec(task_set.split(":", 1)[0] if ":" in task_set else "math").RUNNER
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc))
     cfg = EvalConfig(policies=list(policy), agent=agent, task_set=task_set, seed=seed, tasks=tasks,
                      samples=samples, temperature=None if temperature < 0 else temperature,
                      concurrency=concurrency, out_dir=Path(out), name=name)

@@ -278,11 +278,11 @@ def evaluate(cfg: EvalConfig, settings: Settings | None = None, tasks: list[dict
     if tasks is None:
         if cfg.tasks <= 0:
             raise EvalError("empty task set: --tasks must be positive")
-        from examples.math_agent.tasks import load_task_set
+        from examples.agents import load_split
 
         try:
-            tasks = load_task_set(cfg.task_set, cfg.seed, cfg.tasks)
-        except ValueError as exc:
+            tasks = load_split(cfg.task_set, cfg.seed, cfg.tasks)
+        except (ValueError, ImportError) as exc:
             raise EvalError(str(exc)) from exc
     if not tasks:
         raise EvalError("empty task set")

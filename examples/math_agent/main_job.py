@@ -70,7 +70,9 @@ class MainJobConfig:
     iterations: int = 4
     tasks_per_iteration: int = 6
     group_size: int = 6
-    task_set: str = "arith_word"
+    #: the example agent (examples/agents.py): math | sql | rag
+    agent: str = "math"
+    task_set: str = "arith_word"  # the math agent's task set (other agents: their train/heldout splits)
     seed: int = TRAIN_SEED
     heldout_seed: int = HELDOUT_SEED
     heldout_tasks: int = 200
@@ -100,6 +102,10 @@ class IterationResult:
     policy_versions_served: list = field(default_factory=list)
     checkpoint_version: int | None = None
     checkpoints_announced: list = field(default_factory=list)
+    #: per agent name: LLM calls seen, trained (transitions) and excluded (call-accounts topic)
+    agents: dict = field(default_factory=dict)
+    #: the stream job's agent selection these calls were assembled under (call accounts)
+    selection: list = field(default_factory=list)
     rollout_ids: list = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -161,12 +167,15 @@ def _served_version(s: Settings) -> int:
 
 
 async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[dict], progress, bar) -> IterationResult:
-    from examples.math_agent.agent import math_agent
+    from examples.agents import agent_spec
+    from infra.evaluation import load_agent
+    from infra.replay import agent_counts
     from producers.runner import Runner, publish_tasks
 
     res = IterationResult(iteration=it)
     t0 = time.monotonic()
-    reader = TopicReader(s, [T.ROLLOUTS, T.REWARDS, T.TRANSITIONS, T.SAMPLES, T.DEAD_LETTER, T.CHECKPOINTS])
+    reader = TopicReader(s, [T.ROLLOUTS, T.REWARDS, T.TRANSITIONS, T.SAMPLES, T.DEAD_LETTER, T.CHECKPOINTS,
+                             T.CALL_ACCOUNTS])
     await reader.start()
     version_before = _served_version(s)
     tasks = pool[it * cfg.tasks_per_iteration:(it + 1) * cfg.tasks_per_iteration]
@@ -178,7 +187,8 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     n_rollouts = cfg.tasks_per_iteration * cfg.group_size
     progress.update(bar, description=f"iter {it}: rollouts", total=n_rollouts, completed=0)
 
-    runner = Runner(math_agent, settings=s, concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
+    runner = Runner(load_agent(agent_spec(cfg.agent).RUNNER), settings=s, concurrency=cfg.concurrency,
+                    timeout_s=cfg.rollout_timeout_s,
                     group_id="spanrl-main-job")
     ended: dict[str, str] = {}
     rewards: dict[str, float] = {}
@@ -186,6 +196,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     transitions: dict[str, list[dict]] = {}
     samples: list[dict] = []
     dead: list[dict] = []
+    accounts: list[dict] = []
     checkpoint_version = None
     checkpoints: list[int] = []
     samples_next: dict[int, int] = {}
@@ -217,6 +228,8 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
                 samples_next[partition] = max(samples_next.get(partition, 0), offset + 1)
             elif topic == T.DEAD_LETTER.name:
                 dead.append(rec)
+            elif topic == T.CALL_ACCOUNTS.name:
+                accounts.append(rec)
             elif topic == T.CHECKPOINTS.name and rec.get("event", "published") == "published":
                 checkpoints.append(rec["version"])
 
@@ -229,7 +242,8 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
         note_results()
         sampled = {x["transition"]["rollout_id"] for x in samples}
         dead_ids = {d["rollout_id"] for d in dead if d.get("rollout_id")}
-        if run_task.done() and len(ours) >= n_rollouts and ours <= (sampled | dead_ids):
+        accounted = {a["rollout_id"] for a in accounts}
+        if run_task.done() and len(ours) >= n_rollouts and ours <= (sampled | dead_ids) and ours <= accounted:
             break
         if run_task.done() and run_task.exception():
             raise run_task.exception()
@@ -260,6 +274,8 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     transitions = {r: v for r, v in transitions.items() if r in ours}
     samples = [x for x in samples if x["transition"]["rollout_id"] in ours]
     dead = [d for d in dead if d.get("rollout_id") in ours]
+    res.agents = agent_counts([a for a in accounts if a["rollout_id"] in ours])
+    res.selection = sorted({a["selection"] for a in accounts if a["rollout_id"] in ours})
     res.rollouts = len(ended)
     res.rollout_ids = sorted(ended)
     res.rollouts_failed = sum(1 for v in ended.values() if v != "succeeded")
@@ -306,12 +322,21 @@ def _logprob_under_served(s: Settings, prompt_ids: list[int], completion_ids: li
 HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
 
 
+def _task_set(cfg: MainJobConfig, split: str) -> str:
+    """The task set name of ``split`` (examples/agents.load_split): the math agent's named
+    set (its seeds separate train and held out), else ``AGENT:SPLIT``."""
+    return cfg.task_set if cfg.agent == "math" else f"{cfg.agent}:{split}"
+
+
 def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console) -> dict:
     from infra.evaluation import EvalConfig, evaluate
 
     if mode not in HELDOUT_MODES:
         raise ValueError(f"unknown held-out mode {mode!r}; known: {', '.join(HELDOUT_MODES)}")
-    ecfg = EvalConfig(policies=[spec], task_set=cfg.task_set, seed=cfg.heldout_seed, tasks=cfg.heldout_tasks,
+    from examples.agents import agent_spec
+
+    ecfg = EvalConfig(policies=[spec], agent=agent_spec(cfg.agent).RUNNER, task_set=_task_set(cfg, "heldout"),
+                      seed=cfg.heldout_seed, tasks=cfg.heldout_tasks,
                       samples=1, temperature=HELDOUT_MODES[mode], concurrency=cfg.concurrency,
                       out_dir=cfg.out_dir, name=f"heldout-{mode}")
     return evaluate(ecfg, settings=s, console=console, write=False)
@@ -321,14 +346,14 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     """Evaluate the base policy on the held-out tasks, run ``cfg.iterations`` iterations,
     evaluate the final policy on the same held-out tasks; write summary.json,
     reward_curve.png and heldout-<mode>.json/.png; return the summary."""
-    from examples.math_agent.tasks import disjoint, load_task_set
+    from examples.agents import disjoint, load_split
     from infra.evaluation import merge_reports, write_report
 
     s = settings or get_settings()
     console = console or Console()
-    pool = load_task_set(cfg.task_set, cfg.seed, cfg.iterations * cfg.tasks_per_iteration)
+    pool = load_split(_task_set(cfg, "train"), cfg.seed, cfg.iterations * cfg.tasks_per_iteration)
     if cfg.heldout_tasks > 0:
-        heldout_set = load_task_set(cfg.task_set, cfg.heldout_seed, cfg.heldout_tasks)
+        heldout_set = load_split(_task_set(cfg, "heldout"), cfg.heldout_seed, cfg.heldout_tasks)
         if not disjoint(pool, heldout_set):
             raise ValueError(f"training seed {cfg.seed} and held-out seed {cfg.heldout_seed} share questions")
     results: list[IterationResult] = []
@@ -353,6 +378,9 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
                 f"format={res.format_rate:.2f} tool={res.tool_use_rate:.2f} "
                 f"zero-variance groups={res.zero_variance_groups}/{res.groups} "
                 f"served={res.policy_versions_served} -> checkpoint v{res.checkpoint_version} ({res.wall_s}s)")
+            for name, c in res.agents.items():
+                progress.console.print(f"  agent {name}: calls={c['calls']} trained={c['trained']} "
+                                       f"excluded={c['excluded']}")
     train_s = time.monotonic() - t_train
 
     # Did the served policy change? Mean per-token log-prob of iteration 0's completions
@@ -381,8 +409,17 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         heldout[mode] = base_reports[mode] if final_spec == "base" else \
             merge_reports(base_reports[mode], _heldout_eval(cfg, s, final_spec, mode, console))
         write_report(heldout[mode], out, f"heldout-{mode}")
+    agents_total: dict[str, dict[str, int]] = {}
+    for r in results:
+        for name, c in r.agents.items():
+            e = agents_total.setdefault(name, {"calls": 0, "trained": 0, "excluded": 0})
+            for k in e:
+                e[k] += c[k]
     summary = {
         "run": s.run,
+        "agent": cfg.agent,
+        "train_agents": sorted({sel for r in results for sel in r.selection}),
+        "agents": dict(sorted(agents_total.items())),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "trainer_env": {k: os.environ.get(k, v) for k, v in DEMO_TRAINER_ENV.items()},
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],

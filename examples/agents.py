@@ -1,0 +1,43 @@
+"""The example agents by name: ``make demo AGENT=NAME``, ``spanrl eval --task-set NAME:SPLIT``.
+
+Each is a module ``examples/<agent>/spec.py`` with: ``NAME``, ``RUNNER`` (the runner
+callable, ``module:attribute``), ``TRAIN_AGENTS`` (``SPANRL_TRAIN_AGENTS`` of its demo: the
+agents whose calls train; empty: all), ``AGENT_NAMES``, ``load_tasks(split, seed, size)``
+(split ``train`` | ``heldout``), ``TRAIN_SEED``, ``HELDOUT_SEED``, ``SUCCESS_COMPONENT``,
+``FORMAT_COMPONENT`` and ``DEMO`` (iterations, tasks, group_size, heldout_tasks).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+AGENTS = {
+    "math": "examples.math_agent.spec",   # AutoGen calculator agent (the paper's math QA)
+    "sql": "examples.sql_agent.spec",     # LangGraph text-to-SQL team (write / check / rewrite)
+    "rag": "examples.rag_agent.spec",     # OpenAI Agents SDK retrieval agent (multi-hop QA)
+}
+
+
+def agent_spec(name: str) -> ModuleType:
+    """The spec module of example agent ``name``; ValueError for an unknown name."""
+    if name not in AGENTS:
+        raise ValueError(f"unknown agent {name!r}; known: {', '.join(AGENTS)}")
+    return importlib.import_module(AGENTS[name])
+
+
+def load_split(task_set: str, seed: int, size: int) -> list[dict[str, Any]]:
+    """Tasks of ``AGENT:SPLIT`` (``sql:heldout``, ``rag:train``) or of a math task set
+    (``arith_word``, ``gsm_symbolic``). ValueError for an unknown agent, split or set."""
+    if ":" in task_set:
+        name, split = task_set.split(":", 1)
+        return agent_spec(name).load_tasks(split, seed, size)
+    from examples.math_agent.tasks import load_task_set
+
+    return load_task_set(task_set, seed, size)
+
+
+def disjoint(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """True when the two task lists share no task id and no question text."""
+    return not ({t["task_id"] for t in a} & {t["task_id"] for t in b}) and \
+        not ({t.get("question") for t in a} & {t.get("question") for t in b} - {None})

@@ -1,0 +1,26 @@
+"""The math agent as the main job and ``spanrl eval`` see it (the interface every example
+agent's ``spec.py`` has; ``examples/agents.py`` lists them)."""
+from __future__ import annotations
+
+from typing import Any
+
+from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED, load_task_set
+
+NAME = "math"
+RUNNER = "examples.math_agent.agent:math_agent"
+#: every call trains (one agent); its calls carry ``x-spanrl-agent: math-agent``
+TRAIN_AGENTS = ""
+AGENT_NAMES = ("math-agent",)
+SUCCESS_COMPONENT = "correct"
+FORMAT_COMPONENT = "format"
+#: the demo's size (LEARNING.md: the setting whose held-out gain was measured)
+DEMO = {"iterations": 4, "tasks": 6, "group_size": 6, "heldout_tasks": 200}
+TASK_SET = "arith_word"
+
+
+def load_tasks(split: str, seed: int, size: int) -> list[dict[str, Any]]:
+    """``arith_word`` tasks; the split is carried by the seed (TRAIN_SEED / HELDOUT_SEED
+    give disjoint questions, checked by the main job)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be train or heldout, got {split!r}")
+    return load_task_set(TASK_SET, seed, size)
