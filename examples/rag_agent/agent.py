@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel, RunConfig,
-                    RunContextWrapper, Runner, function_tool)
+                    RunContextWrapper, Runner, function_tool, trace)
 from openai import AsyncOpenAI
 
 from . import corpus
@@ -209,10 +209,11 @@ async def run_episode(task: dict[str, Any], base_url: str, api_key: str = "spanr
     run_config = RunConfig(workflow_name=WORKFLOW, group_id=str(task.get("task_id", "")) or None)
     log = SearchLog()
     try:
-        if tool_mode:
-            final, calls, transcript = await _research(task, agents, log, run_config)
-        else:
-            final, calls, transcript = await _pipeline(task, agents, log, run_config, hops)
+        with trace(WORKFLOW, group_id=run_config.group_id):  # one trace for the episode's runs
+            if tool_mode:
+                final, calls, transcript = await _research(task, agents, log, run_config)
+            else:
+                final, calls, transcript = await _pipeline(task, agents, log, run_config, hops)
     finally:
         await client.close()
     value, components = reward(final, task)
