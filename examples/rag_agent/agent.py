@@ -10,8 +10,9 @@ calls, since SmolLM2-135M cannot emit tool calls through vLLM):
 4. agent ``answerer`` reads the passages (deduplicated, at most :data:`MAX_PASSAGES`)
    and answers inside ``<answer>…</answer>``; :func:`reward.reward` scores it.
 
-A query is the first non-empty line of the reply, with a leading "Query:" and quotes
-removed, cut to :data:`MAX_QUERY_WORDS` words; an empty one falls back to the question.
+A query is the first sentence of the first non-empty line of the reply, with a leading
+"Query:" and quotes removed, cut to :data:`MAX_QUERY_WORDS` words; an empty one falls
+back to the question.
 
 Tool path (``tool_mode=True``, for tool-capable models): one agent ``researcher`` with
 the same search as an Agents SDK ``@function_tool`` named ``search``; its first turn is
@@ -52,14 +53,14 @@ TEMPERATURE = 1.0
 TOP_K = 3
 MAX_SEARCHES = 2
 MAX_PASSAGES = 5
-MAX_QUERY_WORDS = 12
+MAX_QUERY_WORDS = 8
 WORKFLOW = "rag_agent"
 
 QUERY_WRITER = "query_writer"
 ANSWERER = "answerer"
 RESEARCHER = "researcher"
 
-QUERY_PROMPT = "Write a short search query that finds the next fact needed. Reply with the query only."
+QUERY_PROMPT = "Write a search query of a few words for the fact still missing. Reply with the query only."
 ANSWER_PROMPT = "Answer the question using the passages. Reply with <answer>a few words</answer> only."
 RESEARCH_PROMPT = ("Use the search tool to look up facts; search again for the second fact you need. "
                    "Then reply with <answer>a few words</answer> only.")
@@ -85,25 +86,35 @@ def answer_input(question: str, passages: list[dict[str, str]]) -> str:
     return f"Passages:\n{lines}\nQuestion: {question}"
 
 
+_SHOT_QUESTION_2 = "Name a language spoken in the country whose capital is Marenport."
+_SHOT_CAPITAL = "Marenport is the capital of Valdoria. Population: 2.3 million. Location: 41.0 N, 19.8 E."
 QUERY_SHOTS = [
     {"role": "user", "content": query_input(_SHOT_QUESTION, [])},
     {"role": "assistant", "content": "Tessaly"},
     {"role": "user", "content": query_input(_SHOT_QUESTION, [{"text": _SHOT_CITY}])},
     {"role": "assistant", "content": "Valdoria currency"},
+    {"role": "user", "content": query_input(_SHOT_QUESTION_2, [])},
+    {"role": "assistant", "content": "Marenport"},
+    {"role": "user", "content": query_input(_SHOT_QUESTION_2, [{"text": _SHOT_CAPITAL}])},
+    {"role": "assistant", "content": "Valdoria language"},
 ]
+_SHOT_PASSAGES = [{"text": _SHOT_CITY}, {"text": _SHOT_COUNTRY}]
 ANSWER_SHOTS = [
-    {"role": "user", "content": answer_input(_SHOT_QUESTION, [{"text": _SHOT_CITY}, {"text": _SHOT_COUNTRY}])},
+    {"role": "user", "content": answer_input(_SHOT_QUESTION, _SHOT_PASSAGES)},
     {"role": "assistant", "content": "<answer>Valdorian Crown</answer>"},
+    {"role": "user", "content": answer_input("What is the capital of the country where Tessaly is?", _SHOT_PASSAGES)},
+    {"role": "assistant", "content": "<answer>Marenport</answer>"},
 ]
 
 _QUERY_PREFIX = re.compile(r"^\s*(?:next\s+)?(?:search\s+)?query\s*:\s*", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"[.?!;](?:\s|$)")
 
 
 def parse_query(reply: str | None, fallback: str) -> str:
     """The search query in a query writer's reply (``fallback`` when there is none)."""
     text = re.sub(r"</?query>", " ", reply or "", flags=re.IGNORECASE)
     for line in text.splitlines():
-        line = _QUERY_PREFIX.sub("", line).strip().strip("\"'`").strip()
+        line = _SENTENCE_END.split(_QUERY_PREFIX.sub("", line), maxsplit=1)[0].strip().strip("\"'`").strip()
         if line:
             return " ".join(line.split()[:MAX_QUERY_WORDS])
     return fallback
