@@ -17,7 +17,8 @@ back to the question.
 Tool path (``tool_mode=True``, for tool-capable models): one agent ``researcher`` with
 the same search as an Agents SDK ``@function_tool`` named ``search``; its first turn is
 forced to call it (``ModelSettings(tool_choice="search")``, which vLLM honours with any
-model through structured output; the SDK resets the choice after the call); a third
+model through structured output once it runs with ``--tool-call-parser``; the SDK
+resets the choice after the call); a third
 search is refused; at most :data:`MAX_SEARCHES` + 2 model calls.
 
 Every model call goes through ``OpenAIChatCompletionsModel`` (the proxy serves Chat
