@@ -22,10 +22,10 @@ resets the choice after the call); a third
 search is refused; at most :data:`MAX_SEARCHES` + 2 model calls.
 
 Every model call goes through ``OpenAIChatCompletionsModel`` (the proxy serves Chat
-Completions, not the Responses API) with ``temperature=1.0``, ``max_tokens=64`` and
-the header ``x-spanrl-agent: <agent name>``. Tracing is left as the SDK and its
-instrumentations configure it (no ``set_tracing_disabled``): the OpenInference
-instrumentation reads the agent names from the SDK's spans.
+Completions, not the Responses API) with ``temperature=1.0``, ``max_tokens=64``. No
+spanrl header names the agent: tracing is left as the SDK and its instrumentations
+configure it (no ``set_tracing_disabled``), spanrl's runner turns on the OpenInference
+instrumentation, and the agent of each call is read from the SDK's agent spans.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from openai import AsyncOpenAI
 from . import corpus
 from .reward import extract_answer, reward
 
-AGENT_HEADER = "x-spanrl-agent"
 MODEL = "policy"
 MAX_TOKENS = 64
 TEMPERATURE = 1.0
@@ -122,8 +121,7 @@ def parse_query(reply: str | None, fallback: str) -> str:
 
 
 def _settings(agent_name: str, **overrides: Any) -> ModelSettings:
-    return ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
-                         extra_headers={AGENT_HEADER: agent_name}, **overrides)
+    return ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, **overrides)
 
 
 def make_model(base_url: str, api_key: str, http_client: httpx.AsyncClient | None = None

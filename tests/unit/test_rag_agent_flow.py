@@ -54,7 +54,9 @@ def run(replies, **kw):
 
 
 def agents_of(requests):
-    return [r["headers"][ra.AGENT_HEADER] for r in requests]
+    """Which agent made each request, by its instructions (the system message)."""
+    by_prompt = {ra.QUERY_PROMPT: ra.QUERY_WRITER, ra.ANSWER_PROMPT: ra.ANSWERER, ra.RESEARCH_PROMPT: ra.RESEARCHER}
+    return [by_prompt[r["body"]["messages"][0]["content"]] for r in requests]
 
 
 def test_pipeline_two_hops_then_answer():
