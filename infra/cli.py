@@ -8,6 +8,7 @@
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
+    spanrl calls [--rollout ID] [--last N] each LLM call's agent (resolved how), trained or excluded
     spanrl runs                            runs with checkpoints (MinIO, local copies), sizes, free space
     spanrl clean 'PATTERN' [--dry-run]     delete matching runs' checkpoints (MinIO and local)
 """
@@ -146,6 +147,40 @@ def test(
             finally:
                 stack.down()
     raise typer.Exit(rc)
+
+
+@app.command()
+def calls(
+    rollout: list[str] = typer.Option(None, help="rollout ids (repeatable; default: the newest attempts)"),
+    last: int = typer.Option(10, help="without --rollout: this many of the newest ended attempts"),
+    topic: str = typer.Option("call-accounts", help="call-accounts topic (a replay's: call-accounts.SUFFIX)"),
+) -> None:
+    """Each LLM call of ended attempts: its agent, how the agent was resolved (call: the
+    x-spanrl-agent header; telemetry: the framework's spans; unresolved), trained or
+    excluded, from the call-accounts topic; then the counts per agent."""
+    import asyncio
+
+    from infra.replay import agent_counts, read_topic
+    from infra.settings import get_settings
+    from schemas import topics as T
+
+    s = get_settings()
+    accounts = asyncio.run(read_topic(s.kafka_bootstrap, T.derived(T.CALL_ACCOUNTS, topic.split(".", 1)[1])
+                                      if "." in topic else T.CALL_ACCOUNTS))
+    accounts = [a for a in accounts if a["rollout_id"] in set(rollout)] if rollout else accounts[-last:]
+    if not accounts:
+        console.print("no call accounts" + (f" for {', '.join(rollout)}" if rollout else ""))
+        raise typer.Exit(1 if rollout else 0)
+    table = Table(title=f"LLM calls ({topic})")
+    for col in ("rollout", "attempt", "outcome", "selection", "seq", "span", "agent", "resolved by", "trained"):
+        table.add_column(col)
+    for a in accounts:
+        for c in a["calls"]:
+            table.add_row(a["rollout_id"], a["attempt_id"], a["outcome"], a["selection"], str(c["sequence_id"]),
+                          c["span_id"], c["agent_name"] or "-", c["agent_source"], "yes" if c["trained"] else "no")
+    console.print(table)
+    for name, c in agent_counts(accounts).items():
+        console.print(f"{name}: calls {c['calls']}, trained {c['trained']}, excluded {c['excluded']}")
 
 
 @app.command()
