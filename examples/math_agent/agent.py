@@ -16,8 +16,10 @@ the agent:
 3. At most ``max_turns`` (default 3) model calls per episode. The last model reply
    is the final text, scored by :func:`reward.reward`.
 
-Every request carries the header ``x-spanrl-agent: math-agent`` so the spanrl proxy
-records which agent made the call; sampling is ``temperature=1.0``,
+No spanrl header names the agent: the runner turns on OpenInference's AutoGen AgentChat
+instrumentation, whose span of the ``math_agent`` AssistantAgent is the parent of each
+request (``traceparent``), so spanrl resolves the agent from AutoGen's own telemetry;
+sampling is ``temperature=1.0``,
 ``max_tokens=128`` (exploration for RL, short for the 2k context).
 """
 
@@ -42,8 +44,7 @@ from .calc import calculate
 from .reward import extract_answer, reward
 from .tasks import short_question
 
-AGENT_NAME = "math-agent"
-AGENT_HEADER = "x-spanrl-agent"
+AGENT_NAME = "math_agent"  # the AssistantAgent's name: what AutoGen's telemetry reports
 MODEL = "policy"
 MAX_TURNS = 3
 MAX_TOKENS = 128
@@ -106,7 +107,7 @@ def make_client(base_url: str, **overrides: Any) -> OpenAIChatCompletionClient:
     parameters (``temperature``, ``max_tokens``, …) become default create args of
     every call; keys that are ``AsyncOpenAI(...)`` keyword arguments
     (``default_headers``, ``base_url``, ``http_client``, ``max_retries``) go to the
-    underlying openai client, so ``default_headers`` is sent on every request.
+    underlying openai client.
     """
     kwargs: dict[str, Any] = dict(
         model=MODEL,
@@ -115,7 +116,6 @@ def make_client(base_url: str, **overrides: Any) -> OpenAIChatCompletionClient:
         model_info=MODEL_INFO,
         temperature=TEMPERATURE,
         max_tokens=MAX_TOKENS,
-        default_headers={AGENT_HEADER: AGENT_NAME},
         include_name_in_message=False,
         max_retries=0,  # a failed call fails the rollout; the runner records it
     )
@@ -143,7 +143,7 @@ async def run_episode(
         UserMessage(content=text, source="user") if role == "user" else AssistantMessage(content=text, source="math_agent")
         for role, text in shots])
     agent = AssistantAgent(
-        name="math_agent",
+        name=AGENT_NAME,
         model_client=client,
         system_message=SYSTEM_PROMPT,
         model_context=context,

@@ -8,9 +8,9 @@ from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED, load_task_set
 
 NAME = "math"
 RUNNER = "examples.math_agent.agent:math_agent"
-#: every call trains (one agent); its calls carry ``x-spanrl-agent: math-agent``
+#: every call trains (one agent, named by AutoGen's telemetry)
 TRAIN_AGENTS = ""
-AGENT_NAMES = ("math-agent",)
+AGENT_NAMES = ("math_agent",)
 SUCCESS_COMPONENT = "correct"
 FORMAT_COMPONENT = "format"
 #: the demo's size (LEARNING.md: the setting whose held-out gain was measured)

@@ -45,6 +45,12 @@ def test_short_main_job(main_job, settings, tmp_path):
         assert held["paired"][f"{final} - base"]["tasks"] == 4
         assert Path(summary["paths"][f"heldout_{mode}"]).exists()
         assert Path(summary["paths"][f"heldout_{mode}_png"]).stat().st_size > 0
+    # every call is the AutoGen math_agent's, named by AutoGen's telemetry, and trained (no
+    # selection in the stack the tests start): calls per agent add up to the transitions
+    assert summary["agent"] == "math" and summary["train_agents"] == ["all"]
+    assert list(summary["agents"]) == ["math_agent"]
+    assert summary["agents"]["math_agent"]["excluded"] == 0
+    assert summary["agents"]["math_agent"]["trained"] == sum(it["transitions"] for it in its)
     # this job's records only, and the groups' reward spread is reported
     assert all(it["groups"] == 2 and 0 <= it["zero_variance_groups"] <= 2 for it in its)
 
