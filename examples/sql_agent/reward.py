@@ -14,6 +14,7 @@ the final writer reply), ``executed`` (it ran as a read-only SELECT).
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from itertools import permutations
 from typing import Any, Sequence
@@ -39,6 +40,8 @@ def parse_select(sql: str | None) -> exp.Expression | None:
     if len(statements) != 1 or not isinstance(statements[0], exp.Query):
         return None
     tree = statements[0]
+    if isinstance(tree, exp.Select) and not tree.expressions:
+        return None  # a bare "SELECT"
     writes = (exp.Insert, exp.Update, exp.Delete, exp.Drop, exp.Create, exp.Alter, exp.Command, exp.Pragma)
     if any(isinstance(node, writes) for node in tree.walk()):
         return None
@@ -100,3 +103,56 @@ def reward(sql: str | None, rows: Sequence[Sequence[Any]] | None, error: str | N
     correct = executed and not truncated and execution_match(rows, gold_rows, ordered)
     value = 1.0 if correct else EXECUTED_REWARD if executed else 0.0
     return value, {"correct": float(correct), "format": float(fmt), "executed": float(executed)}
+
+
+# ---- SQL from a model reply ---------------------------------------------------------------
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z]*)[ \t]*\n?(.*?)(?:```|$)", re.DOTALL)
+_START = re.compile(r"\b(SELECT|WITH)\b", re.IGNORECASE)
+_WORD_END = re.compile(r"\S+")
+#: a line of prose after the query: a capitalised word that is no SQL keyword, then 2+ words
+_PROSE_LINE = re.compile(r"\n[ \t]*(?!(?:From|Where|Select|Join|And|Or|Group|Order|Limit|On|Having|Union|Inner|"
+                         r"Left|As|Not|In|Like|Case|When|Count|Sum|Avg|Min|Max)\b)[A-Z][a-z']+:?(?:[ \t]+\S+){2,}")
+MAX_SQL_CHARS = 1500
+
+
+def _first_statement(text: str) -> str:
+    """``text`` up to its first ``;`` outside quotes (the rest is another statement or prose)."""
+    quote = None
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"`":
+            quote = ch
+        elif ch == ";":
+            return text[:i]
+    return text
+
+
+def extract_sql(reply: str | None) -> str | None:
+    """The SELECT statement in a model reply, or None.
+
+    Reads a fenced block (```sql … ```, the closing fence optional: a reply cut at
+    max_tokens) when one holds a query, else the reply; starts at the first ``SELECT`` /
+    ``WITH``; stops at the first ``;`` outside quotes, a fence, a blank line or a line of
+    prose (``This query …``); then keeps the longest word prefix that parses as one SELECT
+    (drops prose on the query's own line). Line breaks inside the query become spaces."""
+    if not reply:
+        return None
+    text = reply
+    for _, body in _FENCE.findall(reply):
+        if _START.search(body):
+            text = body
+            break
+    start = _START.search(text)
+    if start is None:
+        return None
+    candidate = text[start.start():start.start() + MAX_SQL_CHARS]
+    candidate = re.split(r"```|\n[ \t]*\n", _first_statement(candidate), maxsplit=1)[0]
+    candidate = _PROSE_LINE.split(candidate, maxsplit=1)[0]
+    ends = [m.end() for m in _WORD_END.finditer(candidate)]
+    for end in reversed(ends):
+        sql = candidate[:end].strip()
+        if is_select(sql):
+            return re.sub(r"[ \t]*\n\s*", " ", sql)
+    return None
