@@ -49,6 +49,7 @@ MAX_TOKENS = 96
 MAX_REWRITES = 2
 RESULT_ROWS_SHOWN = 5
 RESULT_CHARS_SHOWN = 300
+FEEDBACK_CHARS_SHOWN = 120
 NODES = ("write_query", "execute", "check_query", "rewrite_query")
 
 # ---- prompts (one worked example each, on a pets database no task uses) ------------------
@@ -73,7 +74,7 @@ def write_prompt(schema: str, question: str) -> str:
 
 
 def check_prompt(question: str, sql: str, result: str) -> str:
-    return f"Question: {question}\nSQL: {sql}\nResult: {result}"
+    return f"Question: {question}\nSQL: {sql}\nResult: {result}\nIs the SQL right? Start with VERDICT: OK or VERDICT: WRONG."
 
 
 def rewrite_prompt(schema: str, question: str, sql: str, result: str, feedback: str) -> str:
@@ -84,14 +85,28 @@ def fenced(sql: str) -> str:
     return f"```sql\n{sql};\n```"
 
 
-WRITE_SHOT = [HumanMessage(write_prompt(EXAMPLE_SCHEMA, EXAMPLE_QUESTION)), AIMessage(fenced(EXAMPLE_SQL))]
-CHECK_SHOT = [HumanMessage(check_prompt(EXAMPLE_QUESTION, EXAMPLE_WRONG_SQL, "[(0,)]")),
-              AIMessage("VERDICT: WRONG\nIt counts pets named Ann; it must join Owner and filter Owner.Name."),
-              HumanMessage(check_prompt(EXAMPLE_QUESTION, EXAMPLE_SQL, "[(2,)]")),
-              AIMessage("VERDICT: OK\nIt joins Owner and counts Ann's pets.")]
-REWRITE_SHOT = [HumanMessage(rewrite_prompt(EXAMPLE_SCHEMA, EXAMPLE_QUESTION, EXAMPLE_WRONG_SQL, "[(0,)]",
+WRITE_SHOT = [HumanMessage(write_prompt("Pet(PetId, Name, Species, Age)", "How many pets are of the species 'cat'?")),
+              AIMessage(fenced("SELECT COUNT(*) FROM Pet WHERE Species = 'cat'")),
+              HumanMessage(write_prompt(EXAMPLE_SCHEMA, EXAMPLE_QUESTION)), AIMessage(fenced(EXAMPLE_SQL))]
+#: an approved query, then a rejected one: the last shot is the one a small model copies,
+#: and a rejection is what starts a rewrite
+CHECK_SHOT = [HumanMessage(check_prompt(EXAMPLE_QUESTION, EXAMPLE_SQL, "[(2,)]")),
+              AIMessage("VERDICT: OK\nIt joins Owner and counts Ann's pets."),
+              HumanMessage(check_prompt(EXAMPLE_QUESTION, EXAMPLE_WRONG_SQL, "[(0,)]")),
+              AIMessage("VERDICT: WRONG\nIt counts pets named Ann; it must join Owner and filter Owner.Name.")]
+REWRITE_SHOT = [HumanMessage(rewrite_prompt("Pet(PetId, Name, Species, Age)", "How many pets are of the species 'cat'?",
+                                            "SELECT COUNT(*) FROM Pet WHERE Kind = 'cat'",
+                                            "error: no such column: Kind", "VERDICT: WRONG\nThere is no column Kind.")),
+                AIMessage(fenced("SELECT COUNT(*) FROM Pet WHERE Species = 'cat'")),
+                HumanMessage(rewrite_prompt(EXAMPLE_SCHEMA, EXAMPLE_QUESTION, EXAMPLE_WRONG_SQL, "[(0,)]",
                                             "VERDICT: WRONG\nIt must join Owner and filter Owner.Name.")),
                 AIMessage(fenced(EXAMPLE_SQL))]
+
+
+def short_feedback(reply: str, limit: int = FEEDBACK_CHARS_SHOWN) -> str:
+    """The checker's reply as the rewriter sees it: its first two lines, at most ``limit`` chars."""
+    lines = [line.strip() for line in (reply or "").strip().splitlines() if line.strip()]
+    return "\n".join(lines[:2])[:limit] or "(no reason given)"
 
 
 def format_result(execution: dbs.Execution) -> str:
@@ -163,7 +178,7 @@ def build_graph(llm: BaseChatModel, db_path: Path, max_rewrites: int = MAX_REWRI
 
     def rewrite_query(state: SQLState) -> dict:
         prompt = rewrite_prompt(state["schema"], state["question"], _shown_sql(state),
-                                format_result(state["execution"]), state.get("feedback", "").strip()[:200])
+                                format_result(state["execution"]), short_feedback(state.get("feedback", "")))
         reply = str(llm.invoke(_messages(REWRITE_SYSTEM, REWRITE_SHOT, prompt)).content)
         return {"reply": reply, "sql": extract_sql(reply), "rewrites": state.get("rewrites", 0) + 1,
                 "transcript": _say("rewrite_query", prompt, reply)}

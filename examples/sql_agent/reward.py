@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
+from sqlglot.tokens import Tokenizer
 
 EXECUTED_REWARD = 0.1
 #: column permutations tried when matching (Spider); beyond this width only the given order
@@ -114,6 +115,12 @@ _WORD_END = re.compile(r"\S+")
 _PROSE_LINE = re.compile(r"\n[ \t]*(?!(?:From|Where|Select|Join|And|Or|Group|Order|Limit|On|Having|Union|Inner|"
                          r"Left|As|Not|In|Like|Case|When|Count|Sum|Avg|Min|Max)\b)[A-Z][a-z']+:?(?:[ \t]+\S+){2,}")
 MAX_SQL_CHARS = 1500
+#: words SQL can go on with (sqlglot's keywords, first words of the multi-word ones)
+_SQL_WORDS = frozenset(k.split()[0] for k in Tokenizer.KEYWORDS if k.split() and k.split()[0].isalpha())
+
+
+def _prose_word(word: str) -> bool:
+    return word.isalpha() and word.upper() not in _SQL_WORDS
 
 
 def _first_statement(text: str) -> str:
@@ -136,7 +143,8 @@ def extract_sql(reply: str | None) -> str | None:
     max_tokens) when one holds a query, else the reply; starts at the first ``SELECT`` /
     ``WITH``; stops at the first ``;`` outside quotes, a fence, a blank line or a line of
     prose (``This query …``); then keeps the longest word prefix that parses as one SELECT
-    (drops prose on the query's own line). Line breaks inside the query become spaces."""
+    and is followed by nothing or by a word that is no SQL keyword (drops prose on the
+    query's own line, but never cuts a garbled clause off a query). Line breaks inside the query become spaces."""
     if not reply:
         return None
     text = reply
@@ -152,7 +160,9 @@ def extract_sql(reply: str | None) -> str | None:
     candidate = _PROSE_LINE.split(candidate, maxsplit=1)[0]
     ends = [m.end() for m in _WORD_END.finditer(candidate)]
     for end in reversed(ends):
-        sql = candidate[:end].strip()
+        sql, rest = candidate[:end].strip(), candidate[end:].split(None, 1)
+        if rest and not _prose_word(rest[0]):
+            continue  # cut only before prose, never inside the query (e.g. a garbled WHERE)
         if is_select(sql):
             return re.sub(r"[ \t]*\n\s*", " ", sql)
     return None

@@ -48,15 +48,16 @@ def test_ok_verdict_ends_without_rewrite():
     assert r["reward"] == 1.0
     assert r["components"] == {"correct": 1.0, "format": 1.0, "executed": 1.0}
     assert r["sql"] == TASK["gold_sql"] and r["result"] == "[(130,)]"
-    # the writer saw the schema of the task's tables only, and one worked example
+    # the writer saw the schema of the task's tables only, after two worked examples
     write = rec.calls[0]["messages"]
-    assert [m.type for m in write] == ["system", "human", "ai", "human"]
+    assert [m.type for m in write] == ["system", "human", "ai", "human", "ai", "human"]
     assert write[-1].content == ("Tables:\nGenre(GenreId, Name)\nTrack(TrackId, Name, AlbumId -> Album.AlbumId, "
                                  "MediaTypeId -> MediaType.MediaTypeId, GenreId -> Genre.GenreId, Composer, "
                                  "Milliseconds, Bytes, UnitPrice)\nQuestion: How many tracks belong to the genre 'Jazz'?")
     # the checker saw the query and its result
     assert rec.calls[1]["messages"][-1].content == (
-        f"Question: {TASK['question']}\nSQL: {TASK['gold_sql']}\nResult: [(130,)]")
+        f"Question: {TASK['question']}\nSQL: {TASK['gold_sql']}\nResult: [(130,)]\n"
+        "Is the SQL right? Start with VERDICT: OK or VERDICT: WRONG.")
 
 
 def test_wrong_verdict_rewrites_and_reexecutes():
@@ -96,8 +97,7 @@ def test_no_sql_and_unparsable_verdict():
     llm, rec = scripted(["I am not sure.", "Looks fine to me", "SELECT Nme FROM Genre", "VERDICT: OK"])
     r = A.run_episode(TASK, llm=llm)
     assert [c["node"] for c in rec.calls] == ["write_query", "check_query", "rewrite_query", "check_query"]
-    assert rec.calls[1]["messages"][-1].content.endswith(
-        "SQL: I am not sure.\nResult: error: no SQL query found in the reply")
+    assert "SQL: I am not sure.\nResult: error: no SQL query found in the reply\n" in rec.calls[1]["messages"][-1].content
     assert r["sql"] == "SELECT Nme FROM Genre" and r["result"] == "error: OperationalError: no such column: Nme"
     assert r["reward"] == 0.0 and r["components"] == {"correct": 0.0, "format": 1.0, "executed": 0.0}
     llm, _ = scripted(["no idea", "VERDICT: OK"])

@@ -96,7 +96,8 @@ def test_row_cap(tmp_path):
     ("```SQL\nselect Name\nfrom Genre\nwhere GenreId = 2\n```\nThis returns Jazz.",
      "select Name from Genre where GenreId = 2"),
     ("```\nSELECT Name FROM Genre\n```", "SELECT Name FROM Genre"),
-    ("```sql\nSELECT Name FROM Track WHERE", "SELECT Name FROM Track"),              # cut at max_tokens
+    ("```sql\nSELECT Name FROM Track WHERE", None),        # cut at max_tokens inside a clause: no query
+    ("```sql\nSELECT Name FROM Track", "SELECT Name FROM Track"),  # cut before the closing fence
     ("Sure! Here is the query: SELECT Name FROM Genre WHERE Name = 'a;b'; It lists it.",
      "SELECT Name FROM Genre WHERE Name = 'a;b'"),
     ("SELECT Name FROM Genre\nThis query lists the genres.", "SELECT Name FROM Genre"),
@@ -105,6 +106,8 @@ def test_row_cap(tmp_path):
      "The titles are listed.",
      "SELECT Album.Title, Artist.Name From Album Join Artist On Album.ArtistId = Artist.ArtistId"),
     ("First:\nSELECT 1;\nSELECT 2;", "SELECT 1"),
+    # a garbled clause is not cut off (that would be another query): nothing is extracted
+    ("```sql\nSELECT COUNT(*) FROM Artist WHERE Artiste.*MusicId = [x].Artistid - 123;\n```", None),
     ("The answer:\n```text\n42\n```\n```sql\nWITH x AS (SELECT 1 AS a) SELECT a FROM x\n```",
      "WITH x AS (SELECT 1 AS a) SELECT a FROM x"),
     ("SELECT Name FROM Genre\n\nNote: SELECT is a keyword", "SELECT Name FROM Genre"),
