@@ -10,6 +10,8 @@ TRAIN_AGENTS = "write_query,rewrite_query"
 AGENT_NAMES = ("write_query", "check_query", "rewrite_query")
 SUCCESS_COMPONENT = "correct"
 FORMAT_COMPONENT = "format"
+#: the demo's size (``make demo AGENT=sql``): an episode makes 2-6 calls, ~20 s each on 2 CPU cores
+DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 
-__all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "SUCCESS_COMPONENT", "FORMAT_COMPONENT",
+__all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO",
            "load_tasks", "TRAIN_SEED", "HELDOUT_SEED"]
