@@ -216,11 +216,12 @@ async def read_since(s: Settings, start: dict) -> dict[str, list[dict]]:
 
 def episodes_from_records(records: dict[str, list[dict]], attempts: list, eval_topics) -> list[Episode]:
     """Join the runner's attempts (producers.runner.AttemptResult) with what the evaluation
-    topics hold: final reward + components (rewards.eval), LLM calls (spans.eval, kind llm)."""
+    topics hold: final reward + components (rewards.eval), LLM calls (spans.eval: the proxy's
+    records, kind llm; the agent framework's own spans of the same calls are not counted)."""
     rewards = {r["rollout_id"]: r for r in records.get(eval_topics.rewards.name, []) if r["final"]}
     calls: dict[str, int] = {}
     for sp in records.get(eval_topics.spans.name, []):
-        if sp["kind"] == "llm":
+        if sp["kind"] == "llm" and sp.get("source") == "proxy":
             calls[sp["rollout_id"]] = calls.get(sp["rollout_id"], 0) + 1
     out = []
     for a in attempts:
