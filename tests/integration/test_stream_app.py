@@ -154,7 +154,7 @@ def kafka_minio(settings):
 def test_stream_app_end_to_end(tmp_path, kafka_minio):
     suffix = uuid.uuid4().hex[:8]
     names = {k: f"sjtest-{suffix}-{k}" for k in
-             ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter")}
+             ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter", "call-accounts")}
     app_id = f"sjtest-stream-{suffix}"
     web_port = _free_port()
     asyncio.run(_admin("create", names))
@@ -162,6 +162,7 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
            "SPANRL_SPANS_TOPIC": names["spans"], "SPANRL_REWARDS_TOPIC": names["rewards"],
            "SPANRL_ROLLOUTS_TOPIC": names["rollouts"], "SPANRL_TRANSITIONS_TOPIC": names["transitions"],
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
+           "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"],
            "SPANRL_REWARD_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "60"}
     log = open(tmp_path / "worker.log", "wb")
     # cwd: Faust writes <app_id>-data into the working directory
@@ -220,13 +221,14 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
 
     assert counters == {"spans_in": 17, "rewards_in": 4, "rollout_events_in": 8,
                         "transitions_out": 8, "samples_out": 8,
-                        "dead_letters_out": {"schema_error": 1}}
+                        "dead_letters_out": {"schema_error": 1},
+                        "call_accounts_out": 4, "calls_by_agent": {"solver|trained": 8}}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
 def _names(suffix: str) -> dict[str, str]:
     return {k: f"sjtest-{suffix}-{k}" for k in
-            ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter")}
+            ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter", "call-accounts")}
 
 
 def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **extra: str) -> subprocess.Popen:
@@ -234,6 +236,7 @@ def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **ext
            "SPANRL_SPANS_TOPIC": names["spans"], "SPANRL_REWARDS_TOPIC": names["rewards"],
            "SPANRL_ROLLOUTS_TOPIC": names["rollouts"], "SPANRL_TRANSITIONS_TOPIC": names["transitions"],
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
+           "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"],
            "SPANRL_SETTLE_S": "1", "PYTHONPATH": str(REPO), **extra}
     # cwd: Faust writes <app_id>-data into the working directory
     return subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],

@@ -59,7 +59,29 @@ def completions_server():
     srv.shutdown()
 
 
-def test_a_langgraph_nodes_llm_request_carries_the_nodes_trace_context(completions_server):
+@pytest.fixture
+def langchain_to(completions_server):
+    """``instrument(provider)``: OpenInference's LangChain instrumentation writing to
+    ``provider`` for this test, whatever an earlier test of the process instrumented it with
+    (restored after)."""
+    from openinference.instrumentation.langchain import LangChainInstrumentor
+
+    before = "langchain_core" in instrument._instrumented
+
+    def to(provider):
+        if "langchain_core" in instrument._instrumented:
+            LangChainInstrumentor().uninstrument()
+            instrument._instrumented.discard("langchain_core")
+        instrument.instrument_frameworks(provider)
+
+    yield to
+    LangChainInstrumentor().uninstrument()
+    instrument._instrumented.discard("langchain_core")
+    if before:  # back to the process's provider (instrument_frameworks' default)
+        instrument.instrument_frameworks()
+
+
+def test_a_langgraph_nodes_llm_request_carries_the_nodes_trace_context(completions_server, langchain_to):
     """Without propagate_trace_context the request has no traceparent at all (httpx2 is not
     instrumented upstream); with it, its parent is the LangGraph node's span, whose
     OpenInference attributes name the node -- so the proxy's record of the call resolves to
@@ -73,7 +95,7 @@ def test_a_langgraph_nodes_llm_request_carries_the_nodes_trace_context(completio
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    instrument.instrument_frameworks(provider)
+    langchain_to(provider)
     llm = ChatOpenAI(base_url=completions_server, api_key="x", model="m", max_retries=0)
 
     class State(TypedDict):
