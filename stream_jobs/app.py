@@ -50,7 +50,7 @@ class StreamConfig:
     call_accounts_topic: str = topics.CALL_ACCOUNTS.name
     credit_rule: str = "identical"
     #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
-    train_agents: assembly.AgentSelector | frozenset[str] | None = None
+    train_agents: assembly.AgentSelector | None = None
     reward_timeout_s: float = 60.0
     group_timeout_s: float = 120.0
     rollout_timeout_s: float = 900.0

@@ -107,19 +107,13 @@ def parse_train_agents(text: str | None) -> AgentSelector | None:
     return AgentSelector(names=names)
 
 
-def selects(agents: "AgentSelector | frozenset[str] | None", agent: str | None) -> bool:
+def selects(agents: AgentSelector | None, agent: str | None) -> bool:
     """Whether a call of ``agent`` (None: unresolved) trains under ``agents`` (None: all)."""
-    if agents is None:
-        return True
-    if isinstance(agents, AgentSelector):
-        return agents.selects(agent)
-    return agent is not None and agent in agents
+    return agents is None or agents.selects(agent)
 
 
-def describe_selection(agents: "AgentSelector | frozenset[str] | None") -> str:
-    if agents is None:
-        return "all"
-    return agents.describe() if isinstance(agents, AgentSelector) else ",".join(sorted(agents))
+def describe_selection(agents: AgentSelector | None) -> str:
+    return "all" if agents is None else agents.describe()
 
 
 def resolve_agent(call: dict, links: dict[str, list]) -> tuple[str | None, str]:
@@ -146,7 +140,7 @@ def resolve_agent(call: dict, links: dict[str, list]) -> tuple[str | None, str]:
 @dataclass(frozen=True)
 class AssemblyConfig:
     """credit_rule: credit per call; agents: the agents whose calls train (an
-    :class:`AgentSelector`, or a frozenset of names; None: all);
+    :class:`AgentSelector`; a set of names is taken as ``AgentSelector(names=...)``; None: all);
     reward_timeout_s / rollout_timeout_s: see the module doc; max_call_bytes: a call
     whose store value (:func:`encode_call`) is larger is dead-lettered ``oversize``
     (None: no limit; the app sets it so that its transition fits the topic)."""
@@ -157,6 +151,10 @@ class AssemblyConfig:
     rollout_timeout_s: float = 900.0
     settle_s: float = 2.0
     max_call_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.agents is not None and not isinstance(self.agents, AgentSelector):
+            object.__setattr__(self, "agents", AgentSelector(names=frozenset(self.agents)))
 
 
 @dataclass
@@ -426,7 +424,7 @@ def resolved_agents(a: dict) -> dict[str, tuple[str | None, str]]:
     return {sid: resolve_agent(call, links) for sid, call in a["calls"].items()}
 
 
-def selected_calls(a: dict, agents: "AgentSelector | frozenset[str] | None" = None,
+def selected_calls(a: dict, agents: AgentSelector | None = None,
                    resolved: dict[str, tuple[str | None, str]] | None = None) -> list[str]:
     """Span ids of an attempt's calls that train under ``agents`` (None: all), in call order
     (sequence_id, then span_id)."""
