@@ -137,7 +137,8 @@ class Stack:
                       health=lambda: _http_ok(f"{s.proxy_url}/health")),
             Component("stream", py + ["stream_jobs.app", "worker", "-l", "info",
                                       "--web-host", s.host, "--web-port", str(s.faust_web_port)],
-                      health=lambda: _http_ok(f"http://{s.host}:{s.faust_web_port}/spanrl/counters/"),
+                      # ready = partitions assigned and tables recovered, not just the web server up
+                      health=lambda: _http_ok(f"http://{s.host}:{s.faust_web_port}/spanrl/health/"),
                       start_timeout_s=120),
             Component("trainer", py + ["trainer.train"],
                       env={"OMP_NUM_THREADS": os.environ.get("SPANRL_TRAINER_THREADS", "2"),

@@ -468,7 +468,14 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     @app.page("/spanrl/health/")
     async def health_view(web, request):
-        return web.json({"ok": True, "app_id": cfg.app_id})
+        """200 once the worker processes records: partitions assigned, not rebalancing,
+        table recovery done (Faust's web server answers long before that); 503 until then."""
+        assigned = len(app.consumer.assignment()) if app.consumer is not None else 0
+        ready = bool(assigned) and not app.rebalancing and not app.in_recovery \
+            and app.tables.recovery.completed.is_set()
+        return web.json({"ok": ready, "app_id": cfg.app_id, "assigned_partitions": assigned,
+                         "rebalancing": bool(app.rebalancing), "in_recovery": bool(app.in_recovery)},
+                        status=200 if ready else 503)
 
     app.spanrl_config = cfg  # for introspection in tests
     return app

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 
+import httpx
 import pytest
 
 from examples.agents import agent_spec
@@ -37,12 +38,18 @@ def _run_episodes(name: str, tasks: list[dict], settings) -> list:
     return asyncio.run(main())
 
 
-def _records_of(settings, topic: T.Topic, ids: set[str], n: int, timeout_s: float = 120) -> list[dict]:
+def _records_of(settings, topic: T.Topic, ids: set[str], n: int, timeout_s: float = 300) -> list[dict]:
+    """Records of ``topic`` for rollouts ``ids``, once ``n`` rollouts have one; fails after
+    ``timeout_s`` naming what the stream job counted and dead-lettered meanwhile."""
     deadline = time.monotonic() + timeout_s
     while True:
         recs = [r for r in asyncio.run(read_topic(settings.kafka_bootstrap, topic)) if r["rollout_id"] in ids]
-        if len({r["rollout_id"] for r in recs}) >= n or time.monotonic() > deadline:
+        if len({r["rollout_id"] for r in recs}) >= n:
             return recs
+        if time.monotonic() > deadline:
+            counters = httpx.get(f"http://{settings.host}:{settings.faust_web_port}/spanrl/counters/", timeout=5).json()
+            pytest.fail(f"{len(recs)} records of {topic.name} for {n} rollouts after {timeout_s}s; "
+                        f"stream job counters: {counters}")
         time.sleep(2)
 
 
