@@ -24,6 +24,15 @@ INVALID_TOKEN = "invalid_token"
 OPEN_ROUTES = frozenset({("GET", "/health")})
 
 
+class BadRequest(ValueError):
+    """A client request a service refuses: HTTP ``status``, an OpenAI error ``reason`` (its
+    ``type``) and, when one request field is to blame, that field as ``param``."""
+
+    def __init__(self, status: int, reason: str, detail: str, param: str | None = None):
+        super().__init__(detail)
+        self.status, self.reason, self.detail, self.param = status, reason, detail, param
+
+
 def token_value(token: SecretStr | str | None) -> str | None:
     """The token as plain text (None or empty: auth off)."""
     value = token.get_secret_value() if isinstance(token, SecretStr) else token

@@ -40,7 +40,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from producers import claims, edge
+from producers import claims, edge, responses
+from producers.edge import BadRequest
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from schemas import codec
 
@@ -51,14 +52,6 @@ CHAT, COMPLETIONS = "chat.completions", "completions"
 
 class MissingTokenIds(ValueError):
     """vLLM's answer lacks token ids or log-probs (dead-letter reason missing_token_ids)."""
-
-
-class BadRequest(ValueError):
-    """A client request the proxy refuses: HTTP ``status`` and an OpenAI error ``reason``."""
-
-    def __init__(self, status: int, reason: str, detail: str):
-        super().__init__(detail)
-        self.status, self.reason, self.detail = status, reason, detail
 
 
 def _no_constant(name: str) -> float:
@@ -343,25 +336,36 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     app = FastAPI(title="spanrl LLM proxy", lifespan=lifespan)
     app.state.metrics = metrics
 
-    def error(status: int, reason: str, detail: str, headers: dict | None = None) -> Response:
-        """OpenAI error shape (so the SDK shows the message); counts ``http_<status>`` and ``reason``."""
+    def error(status: int, reason: str, detail: str, headers: dict | None = None, param: str | None = None) -> Response:
+        """OpenAI error shape (so the SDK shows the message; ``param``: the request field to
+        blame); counts ``http_<status>`` and ``reason``."""
         metrics[f"http_{status}"] += 1
         metrics[reason] += 1
         detail = edge.safe_detail(detail)
-        return JSONResponse({"error": {"message": detail, "type": reason, "code": status}}, status, headers=headers)
+        body = {"message": detail, "type": reason, "code": status}
+        if param is not None:
+            body["param"] = param
+        return JSONResponse({"error": body}, status, headers=headers)
 
     edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
     edge.install_error_handlers(app, error)
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
-                   topics: Topics = train_topics, sampling: str | None = None) -> Response:
+                   topics: Topics = train_topics, sampling: str | None = None,
+                   client_api: str | None = None) -> Response:
+        """One recorded vLLM call. ``client_api`` ``responses``: the client's body is a
+        Responses request, sent to vLLM as chat (``responses.chat_request``) and answered
+        as a Response object; the span is named ``responses``."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
-            body = parse_body(request.headers.get("content-type"), await request.body())
+            body = client_body = parse_body(request.headers.get("content-type"), await request.body())
+            if client_api == responses.RESPONSES:
+                metrics["responses_requests"] += 1
+                body = responses.chat_request(client_body)
         except BadRequest as exc:
-            return error(exc.status, exc.reason, exc.detail)
+            return error(exc.status, exc.reason, exc.detail, param=exc.param)
         if sampling is not None and sampling != "agent":
             temperature = eval_temperature(sampling)
             if temperature is None:
@@ -399,10 +403,10 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             "trace_id": trace[0] if trace else secrets.token_hex(16),
             "span_id": secrets.token_hex(8),
             "parent_span_id": trace[1] if trace else None,
-            "name": endpoint, "kind": "llm", "source": "proxy",
+            "name": client_api or endpoint, "kind": "llm", "source": "proxy",
             "start_time_unix_nano": start_ns, "end_time_unix_nano": end_ns,
             "status_code": "OK", "agent_name": agent,
-            "attributes": span_attributes(endpoint, body, response, agent),
+            "attributes": span_attributes(endpoint, body, response, agent, client_api),
             "llm": None, "payload_ref": None,
         }
         items: list[tuple] = []
@@ -427,6 +431,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except KafkaUnavailable as exc:
             return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         metrics["spans"] += 1
+        if client_api == responses.RESPONSES:
+            return JSONResponse(responses.response_object(client_body, body, response))
         return JSONResponse(strip_response(endpoint, body, response))
 
     prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
@@ -442,6 +448,11 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
 
+    @app.post(prefix + "/responses")
+    async def responses_api(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request,
+                          client_api=responses.RESPONSES)
+
     @app.post(eval_prefix + "/chat/completions")
     async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling)
@@ -449,6 +460,11 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     @app.post(eval_prefix + "/completions")
     async def eval_completions(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request, eval_topics, sampling)
+
+    @app.post(eval_prefix + "/responses")
+    async def eval_responses_api(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
+                          client_api=responses.RESPONSES)
 
     @app.get(eval_prefix + "/models")
     async def eval_models(sampling: str, rollout_id: str, attempt_id: str) -> Response:
@@ -509,8 +525,11 @@ def eval_temperature(sampling: str) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None) -> dict[str, str]:
-    """GenAI semantic-convention attributes of one call (all values as strings)."""
+def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None,
+                    client_api: str | None = None) -> dict[str, str]:
+    """GenAI semantic-convention attributes of one call (all values as strings); ``body``
+    is what vLLM was sent. ``client_api`` (``responses``): the API the client used, when the
+    proxy translated it to ``endpoint`` (``spanrl.client_api``, ``spanrl.upstream_endpoint``)."""
     usage = response.get("usage") or {}
     attrs = {
         "gen_ai.operation.name": "chat" if endpoint == CHAT else "text_completion",
@@ -527,6 +546,9 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
             attrs[f"gen_ai.request.{key}"] = json.dumps(body[key])
     if agent:
         attrs["spanrl.agent_name"] = agent
+    if client_api:
+        attrs["spanrl.client_api"] = client_api
+        attrs["spanrl.upstream_endpoint"] = endpoint
     return attrs
 
 
