@@ -279,13 +279,14 @@ def response_id(chat_id: str) -> str:
 
 def usage(chat_usage: dict | None) -> dict | None:
     """Responses ``usage`` of a chat ``usage``: prompt → input tokens (cached from
-    ``prompt_tokens_details.cached_tokens``, 0 when vLLM gives none), completion → output
-    tokens (no reasoning tokens: the model has no reasoning mode)."""
+    ``prompt_tokens_details.cached_tokens``, 0 when vLLM gives none; ``cache_write_tokens`` 0:
+    vLLM's prefix cache is not billed), completion → output tokens (no reasoning tokens: the
+    model has no reasoning mode)."""
     if not chat_usage:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"input_tokens": chat_usage.get("prompt_tokens", 0),
-            "input_tokens_details": {"cached_tokens": cached},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage.get("completion_tokens", 0),
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage.get("total_tokens", 0)}

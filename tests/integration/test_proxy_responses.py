@@ -1,0 +1,165 @@
+"""The Responses API through the stack's proxy (``settings.proxy_url``), vLLM and Kafka, with
+the real clients: the OpenAI Agents SDK's default model (``Agent(model=name)`` resolved by an
+``OpenAIProvider`` to ``OpenAIResponsesModel``), LangChain ``ChatOpenAI(use_responses_api=True)``
+and the OpenAI SDK's ``responses.create``. Each model turn must be one span (name
+``responses``) whose completion token ids are what the answer came from: decoded with the
+served model's tokenizer they give the answer's text, and their count is the Response's
+``usage.output_tokens``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import openai
+import pytest
+
+from infra.replay import read_records, topics_end_offsets
+from schemas import decode
+from schemas import topics as T
+
+pytestmark = pytest.mark.integration
+QUESTION = "What is 2+2? Answer with a number only."  # SmolLM2-135M greedy: "The answer is 4." (7 tokens)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(settings):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(settings.model_dir)
+
+
+def base_url(settings, rid: str, prefix: str = "") -> str:
+    return f"{settings.proxy_url}{prefix}/rollouts/{rid}/attempts/0/v1"
+
+
+def ends(settings, topic: T.Topic = T.SPANS) -> dict[int, int]:
+    return {tp.partition: o for tp, o in asyncio.run(topics_end_offsets(settings, [topic])).items()}
+
+
+def spans_of(settings, rid: str, since: dict[int, int], topic: T.Topic = T.SPANS) -> list[dict]:
+    """The spans of rollout ``rid`` written after ``since`` (the proxy answers after Kafka's
+    ack, so they are there when the client has its answer), in sequence order."""
+    records = asyncio.run(read_records(settings.kafka_bootstrap, topic.name, since))
+    spans = [decode(topic.record, v) for _, _, k, v in records if k == rid.encode()]
+    return sorted(spans, key=lambda s: s["sequence_id"])
+
+
+def assert_answer_is_the_call(span: dict, text: str, usage, tokenizer) -> None:
+    llm = span["llm"]
+    assert (span["name"], span["source"], span["kind"]) == ("responses", "proxy", "llm")
+    assert span["attributes"]["spanrl.client_api"] == "responses"
+    assert span["attributes"]["spanrl.upstream_endpoint"] == "chat.completions"
+    assert tokenizer.decode(llm["completion_token_ids"], skip_special_tokens=True) == text
+    assert len(llm["completion_logprobs"]) == len(llm["completion_token_ids"]) == usage.output_tokens
+    assert len(llm["prompt_token_ids"]) == usage.input_tokens
+
+
+def agents_run_config(settings, rid: str, prefix: str = ""):
+    from agents import RunConfig
+    from agents.models.openai_provider import OpenAIProvider
+
+    client = openai.AsyncOpenAI(base_url=base_url(settings, rid, prefix), api_key="unused", max_retries=0)
+    # tracing off for this run only: nothing goes to OpenAI, other tests' processors stay
+    return RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+
+
+def test_agents_sdk_default_model_run(stack, settings, tokenizer):
+    from agents import Agent, ModelSettings, Runner
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    agent = Agent(name="solver", instructions="Be brief.", model=settings.model_name,
+                  model_settings=ModelSettings(temperature=0, max_tokens=32))
+    result = asyncio.run(Runner.run(agent, QUESTION, run_config=agents_run_config(settings, rid)))
+    [raw] = result.raw_responses
+    [span] = spans_of(settings, rid, since)
+    assert_answer_is_the_call(span, result.final_output, raw.usage, tokenizer)
+    assert result.final_output.strip()
+    prompt = tokenizer.decode(span["llm"]["prompt_token_ids"])
+    assert "Be brief." in prompt and QUESTION in prompt  # instructions became the system message
+    assert (span["llm"]["temperature"], span["llm"]["max_tokens"], span["llm"]["finish_reason"]) == (0.0, 32, "stop")
+
+
+def test_langchain_use_responses_api_invoke(stack, settings, tokenizer):
+    from langchain_openai import ChatOpenAI
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    llm = ChatOpenAI(model=settings.model_name, base_url=base_url(settings, rid), api_key="unused",
+                     use_responses_api=True, temperature=0, max_tokens=32, max_retries=0)
+    message = llm.invoke([("system", "Be brief."), ("user", QUESTION)])
+    [span] = spans_of(settings, rid, since)
+    usage = message.usage_metadata
+    assert_answer_is_the_call(span, message.text, type("U", (), {"output_tokens": usage["output_tokens"],
+                                                                  "input_tokens": usage["input_tokens"]}), tokenizer)
+    assert message.response_metadata["id"] == "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-")
+
+
+def test_openai_sdk_logprobs_and_eval_route(stack, settings, tokenizer):
+    """``include`` output_text log-probs are the recorded behaviour log-probs; the same API
+    under ``/eval/0/`` records greedily on ``spans.eval``."""
+    rid, since = uuid.uuid4().hex, ends(settings)
+    client = openai.OpenAI(base_url=base_url(settings, rid), api_key="unused", max_retries=0)
+    r = client.responses.create(model=settings.model_name, instructions="Be brief.", input=QUESTION,
+                                temperature=0, max_output_tokens=32, include=["message.output_text.logprobs"])
+    [span] = spans_of(settings, rid, since)
+    assert_answer_is_the_call(span, r.output_text, r.usage, tokenizer)
+    assert (r.status, r.id) == ("completed", "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-"))
+    seen = [t.logprob for t in r.output[0].content[0].logprobs]
+    assert span["llm"]["completion_logprobs"] == pytest.approx(seen, rel=1e-6)  # float32 on the wire
+
+    eval_rid, eval_since = uuid.uuid4().hex, ends(settings, T.SPANS_EVAL)
+    client = openai.OpenAI(base_url=base_url(settings, eval_rid, "/eval/0"), api_key="unused", max_retries=0)
+    r = client.responses.create(model=settings.model_name, input=QUESTION, temperature=0.9, max_output_tokens=32)
+    [span] = spans_of(settings, eval_rid, eval_since, T.SPANS_EVAL)
+    assert (span["llm"]["temperature"], r.temperature) == (0.0, 0.0)  # the route's sampling, echoed
+    assert_answer_is_the_call(span, r.output_text, r.usage, tokenizer)
+
+
+def test_stateful_requests_get_a_400_naming_the_feature(stack, settings):
+    from agents import Agent, ModelSettings, Runner
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    client = openai.OpenAI(base_url=base_url(settings, rid), api_key="unused", max_retries=0)
+    for field, value in [("previous_response_id", "resp_1"), ("conversation", "conv_1"), ("background", True)]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=settings.model_name, input="hi", **{field: value})
+        assert (err.value.status_code, err.value.body["type"], err.value.body["param"]) == (
+            400, "stateful_not_supported", field)
+        assert err.value.body["message"].startswith(field)
+    agent = Agent(name="solver", model=settings.model_name, model_settings=ModelSettings(max_tokens=4))
+    with pytest.raises(openai.BadRequestError) as err:
+        asyncio.run(Runner.run(agent, "hi", previous_response_id="resp_1", run_config=agents_run_config(settings, rid)))
+    assert err.value.body["param"] == "previous_response_id"
+    # store alone changes nothing here: answered, and recorded like any call
+    r = client.responses.create(model=settings.model_name, input="hi", store=True, max_output_tokens=2)
+    assert [s["llm"]["request_id"].removeprefix("chatcmpl-") for s in spans_of(settings, rid, since)] == [
+        r.id.removeprefix("resp_")]
+
+
+def test_agents_sdk_function_tool_through_responses(stack, settings, tokenizer):
+    """A forced function call (named ``tool_choice``: structured output, any model), its
+    output sent back as a ``function_call_output`` item, then the answer: two turns, two
+    spans; the first turn's completion tokens are the call (needs vLLM's tool-call parser)."""
+    from agents import Agent, ModelSettings, Runner, function_tool
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        return f"sunny in {city}"
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    agent = Agent(name="solver", instructions="Be brief.", model=settings.model_name, tools=[get_weather],
+                  model_settings=ModelSettings(temperature=0, max_tokens=48, tool_choice="get_weather"))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3,
+                                    run_config=agents_run_config(settings, rid)))
+    first, second = result.raw_responses
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    spans = spans_of(settings, rid, since)
+    assert [s["sequence_id"] for s in spans] == [0, 1]
+    assert len(spans[0]["llm"]["completion_token_ids"]) == first.usage.output_tokens
+    # the call's arguments are in the recorded completion (hermes: <tool_call>{"name", "arguments"}</tool_call>)
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    assert call.arguments in tokenizer.decode(spans[0]["llm"]["completion_token_ids"])
+    assert "sunny in Paris" in tokenizer.decode(spans[1]["llm"]["prompt_token_ids"])  # the tool's output went back
+    assert_answer_is_the_call(spans[1], result.final_output, second.usage, tokenizer)
