@@ -314,49 +314,198 @@ def text_logprobs(chat_logprobs: dict | None) -> list[dict]:
     return out
 
 
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict] | None) -> dict:
+    """A finished assistant ``message`` output item ``msg_<item_id>`` with one ``output_text``
+    part (``logprobs`` on it when not None)."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"type": "message", "id": f"msg_{item_id}", "role": "assistant", "status": status, "content": [part]}
+
+
+def call_item(item_id: str, i: int, call_id: str | None, name: str | None, arguments: str,
+              status: str = "completed") -> dict:
+    """A ``function_call`` output item ``fc_<item_id>_<i>`` (``i``: the call's position)."""
+    return {"type": "function_call", "id": f"fc_{item_id}_{i}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
 def output_items(choice: dict, item_id: str, logprobs: bool) -> list[dict]:
     """Responses ``output`` of one chat choice: a ``message`` item ``msg_<item_id>`` with one
     ``output_text`` part when the answer has text (or has neither text nor tool calls: then the
     text is ``""``), then a ``function_call`` item ``fc_<item_id>_<i>`` per tool call
-    (``call_id`` = the chat tool call's id). ``logprobs``: put the choice's log-probs on the
-    text part, only when there are no tool calls (then they are the text's tokens; with calls
-    they also cover the calls' tokens, which Responses has no place for)."""
+    (``call_id`` = the chat tool call's id). ``logprobs``: put the log-probs of all the
+    choice's tokens (the end-of-sequence token's included) on the text part, only when there
+    are no tool calls (with calls they also cover the calls' tokens, which Responses has no
+    place for)."""
     message = choice.get("message") or {}
     content, calls = message.get("content"), message.get("tool_calls") or []
     status, _ = status_of(choice.get("finish_reason"))
     items = []
     if content or not calls:
-        part = {"type": "output_text", "text": content or "", "annotations": []}
-        if logprobs and not calls:
-            part["logprobs"] = text_logprobs(choice.get("logprobs"))
-        items.append({"type": "message", "id": f"msg_{item_id}", "role": "assistant",
-                      "status": "completed" if status == "completed" else "incomplete", "content": [part]})
+        lp = text_logprobs(choice.get("logprobs")) if logprobs and not calls else None
+        items.append(message_item(item_id, content or "", "completed" if status == "completed" else "incomplete", lp))
     for i, call in enumerate(calls):
         fn = call.get("function") or {}
-        items.append({"type": "function_call", "id": f"fc_{item_id}_{i}", "call_id": call.get("id"),
-                      "name": fn.get("name"), "arguments": fn.get("arguments") or "", "status": "completed"})
+        items.append(call_item(item_id, i, call.get("id"), fn.get("name"), fn.get("arguments") or ""))
     return items
 
 
-def response_object(body: dict, chat_body: dict, chat: dict) -> dict:
-    """The Response object of vLLM's chat answer ``chat`` to ``chat_body`` (from
-    :func:`chat_request` of the client's ``body``). Echoes the request's settings as the
-    API does; ``temperature`` / ``top_p`` are what was sent to vLLM (an evaluation route
-    may have set the temperature), None when vLLM's defaults applied."""
-    choice = (chat.get("choices") or [{}])[0]
-    status, incomplete = status_of(choice.get("finish_reason"))
-    rid = response_id(chat.get("id", ""))
+def envelope(body: dict, chat_body: dict, rid: str, created: int | None, model: str | None) -> dict:
+    """A Response object without its outcome (``status`` ``in_progress``, no output, no
+    usage): what a stream's ``response.created`` carries, and the frame of the final one.
+    Echoes the request's settings as the API does; ``temperature`` / ``top_p`` are what was
+    sent to vLLM (an evaluation route may have set the temperature), None when vLLM's
+    defaults applied."""
     return {
-        "id": rid, "object": "response", "created_at": chat.get("created"), "status": status,
-        "error": None, "incomplete_details": incomplete,
-        "instructions": body.get("instructions"), "metadata": body.get("metadata"),
-        "model": chat.get("model"),
-        "output": output_items(choice, rid.removeprefix("resp_"), wants_logprobs(body)),
+        "id": rid, "object": "response", "created_at": created, "status": "in_progress",
+        "error": None, "incomplete_details": None,
+        "instructions": body.get("instructions"), "metadata": body.get("metadata"), "model": model,
+        "output": [],
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "temperature": chat_body.get("temperature"), "top_p": chat_body.get("top_p"),
         "max_output_tokens": body.get("max_output_tokens"), "top_logprobs": body.get("top_logprobs"),
         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}},
         "previous_response_id": None, "reasoning": None, "truncation": "disabled", "background": False,
-        "user": body.get("user"), "usage": usage(chat.get("usage")),
+        "user": body.get("user"), "usage": None,
     }
+
+
+def response_object(body: dict, chat_body: dict, chat: dict) -> dict:
+    """The Response object of vLLM's chat answer ``chat`` (non-streamed, or assembled from a
+    stream) to ``chat_body`` (from :func:`chat_request` of the client's ``body``): the
+    :func:`envelope` with status, :func:`output_items` and :func:`usage`."""
+    choice = (chat.get("choices") or [{}])[0]
+    status, incomplete = status_of(choice.get("finish_reason"))
+    rid = response_id(chat.get("id", ""))
+    out = envelope(body, chat_body, rid, chat.get("created"), chat.get("model"))
+    out.update(status=status, incomplete_details=incomplete, usage=usage(chat.get("usage")),
+               output=output_items(choice, rid.removeprefix("resp_"), wants_logprobs(body)))
+    return out
+
+
+class ResponseEvents:
+    """vLLM's chat stream of one call -> the Responses API's stream events (pure, in order).
+
+    :meth:`chunk` takes each parsed chat chunk as it arrives and returns the events it makes;
+    :meth:`finish` takes the answer assembled from the whole stream (the non-streamed shape,
+    ``streaming.StreamAccumulator.response()``) and returns the closing events. Each event is
+    ``{"type", "sequence_number", ...}`` (0, 1, 2, … over the stream), shaped as the ``openai``
+    package's ``types/responses/response_*_event.py`` (3.57):
+
+    - first chunk: ``response.created``, ``response.in_progress`` (the :func:`envelope`);
+    - text: ``response.output_item.added`` (a ``message``, ``in_progress``, no content) and
+      ``response.content_part.added`` (empty ``output_text``) before the first text, then
+      ``response.output_text.delta`` per chunk with text (its tokens' log-probs when
+      ``include`` asks, else ``[]``);
+    - a tool call (chat ``tool_calls`` delta of a new index): ``response.output_item.added``
+      (a ``function_call`` with its ``call_id`` and ``name``, empty ``arguments``), then
+      ``response.function_call_arguments.delta`` per arguments piece;
+    - an item ends when the next one starts or at :meth:`finish`: text ``output_text.done``,
+      ``content_part.done``, ``output_item.done``; call ``function_call_arguments.done``,
+      ``output_item.done``;
+    - :meth:`finish`: the open item's end (an empty message if nothing came, as
+      :func:`output_items`), then ``response.completed``, or ``response.incomplete`` when the
+      answer was cut (``max_output_tokens``), with the :func:`response_object` whose output is
+      the items as streamed (same ids as the deltas).
+    Items are numbered as :func:`output_items` numbers them, so the streamed and the
+    non-streamed Response of the same answer are equal.
+    """
+
+    def __init__(self, body: dict, chat_body: dict):
+        self.body, self.chat_body = body, chat_body
+        self.logprobs = wants_logprobs(body)
+        self.seq = 0
+        self.rid: str | None = None
+        self.items: list[dict] = []          # finished output items, in output order
+        self.open: dict | None = None        # the item being streamed (an output item) and its output index
+        self.open_index = -1
+        self.text: list[str] = []
+        self.calls = 0                        # function calls opened so far
+        self.entries: list[dict] = []         # every chat log-prob entry of the stream
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def _item_id(self) -> str:
+        return self.rid.removeprefix("resp_")
+
+    def _start(self, item: dict) -> list[dict]:
+        events = self._close()
+        self.open, self.open_index = item, len(self.items)
+        events.append(self._event("response.output_item.added", output_index=self.open_index,
+                                  item={**item, "status": "in_progress"}))
+        if item["type"] == "message":
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=self.open_index, content_index=0,
+                                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        return events
+
+    def _close(self, status: str = "completed", with_logprobs: bool = False) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.open_index}
+        if item["type"] == "message":
+            lp = text_logprobs({"content": self.entries}) if self.logprobs and with_logprobs else None
+            done = message_item(self._item_id(), "".join(self.text), status, lp)
+            part = done["content"][0]
+            events = [self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                  logprobs=part.get("logprobs") or []),
+                      self._event("response.content_part.done", **where, content_index=0, part=part)]
+        else:
+            done = item
+            events = [self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                  arguments=item["arguments"])]
+        self.items.append(done)
+        return events + [self._event("response.output_item.done", output_index=self.open_index, item=done)]
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        events: list[dict] = []
+        if self.rid is None:
+            self.rid = response_id(chunk.get("id", ""))
+            shell = envelope(self.body, self.chat_body, self.rid, chunk.get("created"), chunk.get("model"))
+            events += [self._event("response.created", response=shell),
+                       self._event("response.in_progress", response=shell)]
+        for choice in chunk.get("choices") or []:
+            entries = (choice.get("logprobs") or {}).get("content") or []
+            self.entries += entries
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self.open is None or self.open["type"] != "message":
+                    events += self._start(message_item(self._item_id(), "", "in_progress", None) | {"content": []})
+                self.text.append(delta["content"])
+                lp = [{"token": e.get("token"), "logprob": e.get("logprob"),
+                       "top_logprobs": [{"token": x.get("token"), "logprob": x.get("logprob")}
+                                        for x in e.get("top_logprobs") or []]}
+                      for e in entries] if self.logprobs else []
+                events.append(self._event("response.output_text.delta", item_id=self.open["id"],
+                                          output_index=self.open_index, content_index=0,
+                                          delta=delta["content"], logprobs=lp))
+            for call in delta.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                if call.get("id") or self.open is None or self.open["type"] != "function_call":
+                    events += self._start(call_item(self._item_id(), self.calls, call.get("id"), fn.get("name"), ""))
+                    self.calls += 1
+                if fn.get("arguments"):
+                    self.open["arguments"] += fn["arguments"]
+                    events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                              output_index=self.open_index, delta=fn["arguments"]))
+        return events
+
+    def finish(self, chat: dict) -> list[dict]:
+        final = response_object(self.body, self.chat_body, chat)
+        if self.rid is None:  # no chunk came before the end: open the stream now
+            events = self.chunk({"id": chat.get("id", ""), "created": chat.get("created"), "model": chat.get("model")})
+        else:
+            events = []
+        message_status = "completed" if final["status"] == "completed" else "incomplete"
+        if not self.items and self.open is None:
+            events += self._start(message_item(self._item_id(), "", "in_progress", None) | {"content": []})
+        events += self._close(message_status, with_logprobs=self.calls == 0)
+        final["output"] = self.items
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return events + [self._event(kind, response=final)]

@@ -207,3 +207,4 @@ def test_usage_and_ids():
         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 13}
     assert R.usage(None) is None
     assert R.response_id("chatcmpl-abc") == "resp_abc"
+
