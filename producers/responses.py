@@ -14,7 +14,7 @@ SmolLM2-135M-Instruct, and in ``vllm/entrypoints/openai/responses/serving.py``):
 - ``store`` / ``previous_response_id`` live in one vLLM process's memory
   (``VLLM_ENABLE_RESPONSES_API_STORE``), lost on the reloads the trainer causes.
 Chat completions returns every prompt and completion token id and a log-prob per completion
-token (what :func:`producers.proxy.llm_call_from_response` records), so a Responses request is
+token (what :func:`spanrl.producers.proxy.llm_call_from_response` records), so a Responses request is
 translated to one chat request (:func:`chat_request`), sent through the proxy's chat path
 (recorded as one call, span name ``responses``), and vLLM's chat answer is translated back to
 a Response object (:func:`response_object`). Source of the shapes: the ``openai`` package's
@@ -29,7 +29,7 @@ Everything else either maps to chat (see :data:`TRANSLATED`), is harmless to lea
 """
 from __future__ import annotations
 
-from producers.edge import BadRequest
+from spanrl.producers.edge import BadRequest
 
 RESPONSES = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -14,9 +14,9 @@ import uuid
 import openai
 import pytest
 
-from infra.replay import read_records, topics_end_offsets
-from schemas import decode
-from schemas import topics as T
+from spanrl.infra.replay import read_records, topics_end_offsets
+from spanrl.schemas import decode
+from spanrl.schemas import topics as T
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is 2+2? Answer with a number only."  # SmolLM2-135M greedy: "The answer is 4." (7 tokens)

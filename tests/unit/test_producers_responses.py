@@ -1,4 +1,4 @@
-"""Responses API <-> chat completions translation (producers.responses), exact values.
+"""Responses API <-> chat completions translation (spanrl.producers.responses), exact values.
 
 The request bodies are what the clients sent (captured from openai-agents 0.24 and
 langchain-openai 1.7.4 with openai 3.57); the chat answers are vLLM 0.32's
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from openai.types.responses import Response
 
-from producers import responses as R
-from producers.edge import BadRequest
+from spanrl.producers import responses as R
+from spanrl.producers.edge import BadRequest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 WEATHER_PARAMS = {"properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"],
