@@ -7,6 +7,9 @@ An agent points its OpenAI client at the per-rollout base URL
 token ids and log-probs of every call, records them (never re-tokenised) with the
 current policy version in a Span (source=proxy, kind=llm), waits for Kafka to
 acknowledge it, and only then returns vLLM's answer, minus what the client did not ask for.
+``POST .../v1/responses`` (the Responses API, the OpenAI Agents SDK's default model) is
+served from vLLM's chat completions (producers/responses.py says why): one chat call per
+request, recorded as a span named ``responses``, answered as a Response object.
 The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evaluation topics
 (``spans.eval``, ``dead-letter.eval``) instead: what ``spanrl eval`` and the release gate
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is

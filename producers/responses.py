@@ -4,15 +4,17 @@ Why chat completions and not vLLM's own ``/v1/responses`` (checked on vLLM 0.32,
 SmolLM2-135M-Instruct, and in ``vllm/entrypoints/openai/responses/serving.py``):
 - token ids: vLLM's Responses returns them only as ``input_messages`` / ``output_messages``
   (``enable_response_messages: true``, non-background only);
-- log-probs: only on ``output_text`` parts (``include: ["message.output_text.logprobs"]``);
-  with a tool or reasoning parser ``_make_response_output_items`` drops them
-  (``logprobs = None`` unless ``include_reasoning``) and a ``function_call`` item never has
-  any, so the tokens of a tool call, the Agents SDK's main path, would have no behaviour
-  log-probs;
-- a named ``tool_choice`` (``{"type": "function", "name": ...}``) was ignored: the model
-  answered in free text, where chat completions forces the call by structured output;
-- ``store`` / ``previous_response_id`` live in one vLLM process's memory
-  (``VLLM_ENABLE_RESPONSES_API_STORE``), lost on the reloads the trainer causes.
+- log-probs: only on ``output_text`` parts (``include: ["message.output_text.logprobs"]``,
+  computed over the whole completion, ``_make_response_output_items``); a ``function_call``
+  item has none (``build_response_output_items``), and with ``include_reasoning: false``
+  the text's are dropped too, so the tokens of a tool call, the Agents SDK's main path,
+  would have no behaviour log-probs;
+- checked with a tool-call parser (hermes): a forced call came back as a ``function_call``
+  item without log-probs, its 32 tokens only in ``output_messages``; without a parser a named
+  ``tool_choice`` was silently ignored (free text), where chat refuses it with a 400;
+- ``store`` / ``previous_response_id`` are off by default (``VLLM_ENABLE_RESPONSES_API_STORE``)
+  and then live in one vLLM process's memory, lost when it restarts (and the proxy would
+  still have to rebuild every earlier turn's tokens to record the call).
 Chat completions returns every prompt and completion token id and a log-prob per completion
 token (what :func:`spanrl.producers.proxy.llm_call_from_response` records), so a Responses request is
 translated to one chat request (:func:`chat_request`), sent through the proxy's chat path
