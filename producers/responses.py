@@ -13,8 +13,7 @@ SmolLM2-135M-Instruct, and in ``vllm/entrypoints/openai/responses/serving.py``):
   item without log-probs, its 32 tokens only in ``output_messages``; without a parser a named
   ``tool_choice`` was silently ignored (free text), where chat refuses it with a 400;
 - ``store`` / ``previous_response_id`` are off by default (``VLLM_ENABLE_RESPONSES_API_STORE``)
-  and then live in one vLLM process's memory, lost when it restarts (and the proxy would
-  still have to rebuild every earlier turn's tokens to record the call).
+  and then live in one vLLM process's memory, lost when it restarts.
 Chat completions returns every prompt and completion token id and a log-prob per completion
 token (what :func:`spanrl.producers.proxy.llm_call_from_response` records), so a Responses request is
 translated to one chat request (:func:`chat_request`), sent through the proxy's chat path
