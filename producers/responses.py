@@ -497,6 +497,13 @@ class ResponseEvents:
                                               output_index=self.open_index, delta=fn["arguments"]))
         return events
 
+    def error(self, reason: str, message: str) -> dict:
+        """The stream's last event when it fails (vLLM broke off, recording failed): the
+        Responses ``error`` event ``{"type": "error", "code": reason, "message", "param":
+        None}`` (the Agents SDK raises ``ModelBehaviorError`` on it, LangChain ``ValueError``;
+        no ``response.completed`` follows)."""
+        return self._event("error", code=reason, message=message, param=None)
+
     def finish(self, chat: dict) -> list[dict]:
         final = response_object(self.body, self.chat_body, chat)
         if self.rid is None:  # no chunk came before the end: open the stream now

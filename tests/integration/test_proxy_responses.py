@@ -45,14 +45,16 @@ def spans_of(settings, rid: str, since: dict[int, int], topic: T.Topic = T.SPANS
     return sorted(spans, key=lambda s: s["sequence_id"])
 
 
-def assert_answer_is_the_call(span: dict, text: str, usage, tokenizer) -> None:
+def assert_answer_is_the_call(span: dict, text: str, input_tokens: int, output_tokens: int, tokenizer) -> None:
+    """``span`` is the record of the call the client's answer ``text`` (and its token counts)
+    came from."""
     llm = span["llm"]
     assert (span["name"], span["source"], span["kind"]) == ("responses", "proxy", "llm")
     assert span["attributes"]["spanrl.client_api"] == "responses"
     assert span["attributes"]["spanrl.upstream_endpoint"] == "chat.completions"
     assert tokenizer.decode(llm["completion_token_ids"], skip_special_tokens=True) == text
-    assert len(llm["completion_logprobs"]) == len(llm["completion_token_ids"]) == usage.output_tokens
-    assert len(llm["prompt_token_ids"]) == usage.input_tokens
+    assert len(llm["completion_logprobs"]) == len(llm["completion_token_ids"]) == output_tokens
+    assert len(llm["prompt_token_ids"]) == input_tokens
 
 
 def agents_run_config(settings, rid: str, prefix: str = ""):
@@ -73,7 +75,7 @@ def test_agents_sdk_default_model_run(stack, settings, tokenizer):
     result = asyncio.run(Runner.run(agent, QUESTION, run_config=agents_run_config(settings, rid)))
     [raw] = result.raw_responses
     [span] = spans_of(settings, rid, since)
-    assert_answer_is_the_call(span, result.final_output, raw.usage, tokenizer)
+    assert_answer_is_the_call(span, result.final_output, raw.usage.input_tokens, raw.usage.output_tokens, tokenizer)
     assert result.final_output.strip()
     prompt = tokenizer.decode(span["llm"]["prompt_token_ids"])
     assert "Be brief." in prompt and QUESTION in prompt  # instructions became the system message
@@ -89,8 +91,7 @@ def test_langchain_use_responses_api_invoke(stack, settings, tokenizer):
     message = llm.invoke([("system", "Be brief."), ("user", QUESTION)])
     [span] = spans_of(settings, rid, since)
     usage = message.usage_metadata
-    assert_answer_is_the_call(span, message.text, type("U", (), {"output_tokens": usage["output_tokens"],
-                                                                  "input_tokens": usage["input_tokens"]}), tokenizer)
+    assert_answer_is_the_call(span, message.text, usage["input_tokens"], usage["output_tokens"], tokenizer)
     assert message.response_metadata["id"] == "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-")
 
 
@@ -102,7 +103,7 @@ def test_openai_sdk_logprobs_and_eval_route(stack, settings, tokenizer):
     r = client.responses.create(model=settings.model_name, instructions="Be brief.", input=QUESTION,
                                 temperature=0, max_output_tokens=32, include=["message.output_text.logprobs"])
     [span] = spans_of(settings, rid, since)
-    assert_answer_is_the_call(span, r.output_text, r.usage, tokenizer)
+    assert_answer_is_the_call(span, r.output_text, r.usage.input_tokens, r.usage.output_tokens, tokenizer)
     assert (r.status, r.id) == ("completed", "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-"))
     seen = [t.logprob for t in r.output[0].content[0].logprobs]
     assert span["llm"]["completion_logprobs"] == pytest.approx(seen, rel=1e-6)  # float32 on the wire
@@ -112,7 +113,7 @@ def test_openai_sdk_logprobs_and_eval_route(stack, settings, tokenizer):
     r = client.responses.create(model=settings.model_name, input=QUESTION, temperature=0.9, max_output_tokens=32)
     [span] = spans_of(settings, eval_rid, eval_since, T.SPANS_EVAL)
     assert (span["llm"]["temperature"], r.temperature) == (0.0, 0.0)  # the route's sampling, echoed
-    assert_answer_is_the_call(span, r.output_text, r.usage, tokenizer)
+    assert_answer_is_the_call(span, r.output_text, r.usage.input_tokens, r.usage.output_tokens, tokenizer)
 
 
 def test_stateful_requests_get_a_400_naming_the_feature(stack, settings):
@@ -162,4 +163,45 @@ def test_agents_sdk_function_tool_through_responses(stack, settings, tokenizer):
     assert json.loads(call.arguments) == {"city": "Paris"}
     assert call.arguments in tokenizer.decode(spans[0]["llm"]["completion_token_ids"])
     assert "sunny in Paris" in tokenizer.decode(spans[1]["llm"]["prompt_token_ids"])  # the tool's output went back
-    assert_answer_is_the_call(spans[1], result.final_output, second.usage, tokenizer)
+    assert_answer_is_the_call(spans[1], result.final_output, second.usage.input_tokens, second.usage.output_tokens,
+                              tokenizer)
+
+
+# ------------------------------------------------------------------ streamed
+def test_agents_sdk_default_model_run_streamed(stack, settings, tokenizer):
+    from agents import Agent, ModelSettings, Runner
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    agent = Agent(name="solver", instructions="Be brief.", model=settings.model_name,
+                  model_settings=ModelSettings(temperature=0, max_tokens=32))
+
+    async def run():
+        result = Runner.run_streamed(agent, QUESTION, run_config=agents_run_config(settings, rid))
+        kinds = [event.data.type async for event in result.stream_events() if event.type == "raw_response_event"]
+        return result, kinds
+
+    result, kinds = asyncio.run(run())
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert deltas >= 2  # the text came in pieces, as vLLM generated it
+    [raw] = result.raw_responses
+    [span] = spans_of(settings, rid, since)
+    assert_answer_is_the_call(span, result.final_output, raw.usage.input_tokens, raw.usage.output_tokens, tokenizer)
+    assert span["attributes"]["spanrl.streamed"] == "true"
+    assert raw.id == "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-")
+
+
+def test_langchain_use_responses_api_stream(stack, settings, tokenizer):
+    from langchain_openai import ChatOpenAI
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    llm = ChatOpenAI(model=settings.model_name, base_url=base_url(settings, rid), api_key="unused",
+                     use_responses_api=True, temperature=0, max_tokens=32, max_retries=0)
+    chunks = list(llm.stream([("system", "Be brief."), ("user", QUESTION)]))
+    assert len([c for c in chunks if c.text]) >= 2
+    message = chunks[0]
+    for c in chunks[1:]:
+        message += c
+    [span] = spans_of(settings, rid, since)
+    usage = message.usage_metadata
+    assert_answer_is_the_call(span, message.text, usage["input_tokens"], usage["output_tokens"], tokenizer)

@@ -56,7 +56,8 @@ def test_agents_sdk_second_turn_with_the_call_and_its_output():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
 
 
@@ -148,8 +149,8 @@ def test_response_of_a_real_chat_answer_cut_at_max_tokens():
         "parallel_tool_calls": True, "temperature": 0.7, "top_p": None, "max_output_tokens": 8,
         "top_logprobs": None, "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
         "previous_response_id": None, "reasoning": None, "truncation": "disabled", "background": False,
-        "user": None, "usage": {"input_tokens": 33, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": 8,
-                                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 41}}
+        "user": None, "usage": {"input_tokens": 33, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                                "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 41}}
     parsed = Response.model_validate(out)  # the openai package's own type accepts it
     assert parsed.output_text == "I'm so glad you're here." and parsed.usage.output_tokens == 8
 
