@@ -116,6 +116,25 @@ def test_openai_sdk_logprobs_and_eval_route(stack, settings, tokenizer):
     assert_answer_is_the_call(span, r.output_text, r.usage.input_tokens, r.usage.output_tokens, tokenizer)
 
 
+def test_agents_sdk_structured_output(stack, settings, tokenizer):
+    """``output_type`` → ``text.format`` json_schema → chat ``response_format``: vLLM's
+    structured output makes the completion the JSON the agent parses."""
+    from agents import Agent, ModelSettings, Runner
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        value: int
+
+    rid, since = uuid.uuid4().hex, ends(settings)
+    agent = Agent(name="solver", instructions="Be brief.", model=settings.model_name, output_type=Answer,
+                  model_settings=ModelSettings(temperature=0, max_tokens=32))
+    result = asyncio.run(Runner.run(agent, "What is 2+2?", run_config=agents_run_config(settings, rid)))
+    [raw] = result.raw_responses
+    [span] = spans_of(settings, rid, since)
+    text = raw.output[0].content[0].text
+    assert isinstance(result.final_output, Answer) and Answer.model_validate_json(text) == result.final_output
+    assert_answer_is_the_call(span, text, raw.usage.input_tokens, raw.usage.output_tokens, tokenizer)
+
 def test_stateful_requests_get_a_400_naming_the_feature(stack, settings):
     from agents import Agent, ModelSettings, Runner
 
