@@ -54,7 +54,7 @@ class StreamConfig:
     #: join spans without a rollout id to the rollout of a proxy call of their trace
     #: (``SPANRL_STREAM_JOIN_TRACES``; a replay turns it off: what joined is on spans already)
     join_traces: bool = True
-    orphan_timeout_s: float = 60.0
+    orphan_timeout_s: float = 300.0
     credit_rule: str = "identical"
     #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
     train_agents: assembly.AgentSelector | None = None
@@ -92,7 +92,7 @@ class StreamConfig:
             call_accounts_topic=g("SPANRL_CALL_ACCOUNTS_TOPIC", topics.CALL_ACCOUNTS.name),
             orphan_spans_topic=g("SPANRL_ORPHAN_SPANS_TOPIC", topics.ORPHAN_SPANS.name),
             join_traces=g("SPANRL_STREAM_JOIN_TRACES", "true").strip().lower() not in ("0", "false", "no", "off"),
-            orphan_timeout_s=float(g("SPANRL_ORPHAN_TIMEOUT_S", "60")),
+            orphan_timeout_s=float(g("SPANRL_ORPHAN_TIMEOUT_S", "300")),
             credit_rule=g("SPANRL_CREDIT_RULE", "identical"),
             train_agents=agents,
             reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),

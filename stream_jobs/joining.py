@@ -66,10 +66,13 @@ ORPHAN_PAYLOAD_REF = "spanrl.orphan_payload_ref"
 
 @dataclass(frozen=True)
 class JoinConfig:
-    """orphan_timeout_s: how long an orphan waits for a link before ``no_rollout_id``;
-    orphan_topic: the topic orphans are read from (``source_topic`` of those dead letters)."""
+    """orphan_timeout_s: how long an orphan waits for a link before ``no_rollout_id``: longer
+    than the app may lag behind ``spans`` (a trace link is written when the assembler reads
+    the proxy's span; after a restart that may be minutes, in its backlog; the join's own
+    tick clock, stream_jobs/clock.py, only sees the join's inputs); orphan_topic: the topic
+    orphans are read from (``source_topic`` of those dead letters)."""
 
-    orphan_timeout_s: float = 60.0
+    orphan_timeout_s: float = 300.0
     orphan_topic: str = "orphan-spans"
 
 

@@ -443,32 +443,41 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
 
 
 def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
-    """SIGKILL the worker while a rollout's first call waits in its tables; the next worker
-    (same app id) restores the tables from their changelogs and emits both calls."""
+    """SIGKILL the worker while a rollout's first call waits in its tables, and a span without
+    rollout id waits in the trace join's; the next worker (same app id) restores the tables
+    from their changelogs, emits both calls, and joins the span when the second call (same
+    trace) comes."""
     suffix = uuid.uuid4().hex[:8]
     names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
     asyncio.run(_admin("create", names))
-    rid = "rrec"
+    rid, trace = "rrec", "ab" * 16
     c0 = codec.encode("span", _span(rid, 0, "c0", prompt=(1, 2, 3), completion=(4, 5)))
-    c1 = codec.encode("span", _span(rid, 1, "c1", prompt=(6,), completion=(7, 8, 9)))
+    c1 = codec.encode("span", {**_span(rid, 1, "c1", prompt=(6,), completion=(7, 8, 9)),
+                               "trace_id": trace, "parent_span_id": "cd" * 8})
+    orphan = codec.encode("span", {**_span("", 0, "cd" * 8, kind="agent"), "attempt_id": "", "trace_id": trace,
+                                   "sequence_id": -1, "agent_name": "planner"})
     log = tmp_path / "worker.log"
     web_port = _free_port()
-    worker = _start_worker(names, app_id, web_port, log)
+    # the orphan must outlive the restart (the killed worker's membership expires after ~60 s)
+    worker = _start_worker(names, app_id, web_port, log, SPANRL_ORPHAN_TIMEOUT_S="600")
     try:
         _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
-        asyncio.run(_produce([_lifecycle(names, rid, "started", 2), (names["spans"], rid, c0)]))
+        asyncio.run(_produce([_lifecycle(names, rid, "started", 2), (names["spans"], rid, c0),
+                              (names["orphan-spans"], trace, orphan)]))
         deadline = time.monotonic() + 30
-        while asyncio.run(_committed(app_id, names["spans"])) < 1 and time.monotonic() < deadline:
+        while (asyncio.run(_committed(app_id, names["spans"])) < 1
+               or asyncio.run(_committed(app_id, names["orphan-spans"])) < 1) and time.monotonic() < deadline:
             time.sleep(0.2)  # the transaction with the span's offset (and its table writes) committed
-        assert _counters(web_port)["spans_in"] == 1
+        assert (_counters(web_port)["spans_in"], _counters(web_port)["orphans_in"]) == (1, 1)
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         web_port = _free_port()
-        worker = _start_worker(names, app_id, web_port, log)
+        worker = _start_worker(names, app_id, web_port, log, SPANRL_ORPHAN_TIMEOUT_S="600")
         _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
         asyncio.run(_produce([(names["spans"], rid, c1), _lifecycle(names, rid, "succeeded", 2),
                               _reward(names, rid, 0.5)]))
-        got = asyncio.run(_read(names, ("transitions", "dead-letter"), lambda g: len(g["transitions"]) >= 2, 90))
+        got = asyncio.run(_read(names, ("spans", "transitions", "dead-letter"), lambda g: len(g["transitions"]) >= 2
+                                and any(sp["source"] == "otlp" for sp in g["spans"]), 90))
         counters = _counters(web_port)
     finally:
         stop_process_group(worker, grace_s=15)
@@ -483,6 +492,11 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
     assert [(t["prompt_token_ids"], t["completion_token_ids"]) for t in trs] == [
         ([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
     assert [t["reward"] for t in trs] == [0.5, 0.5] and got["dead-letter"] == []
+    # the orphan waited in the recovered join tables and joined the attempt of c1's trace
+    [joined] = [sp for sp in got["spans"] if sp["source"] == "otlp"]
+    assert (joined["rollout_id"], joined["attempt_id"], joined["span_id"], joined["agent_name"]) == (
+        rid, "a0", "cd" * 8, "planner")
+    assert counters["spans_joined"] == 1 and counters["trace_links_out"] == 1
     # c0 (offset 0, committed before the kill) is not consumed again: it came from the
     # calls changelog. (Inputs that arrive while the worker recovers may be handled twice:
     # Faust resumes stream partitions before seeking them to the committed offsets; the
