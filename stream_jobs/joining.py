@@ -25,7 +25,8 @@ transaction as its state and input offsets.
 State of one trace id (plain JSON, a Faust table value)::
 
     {"trace_id", "partition",
-     "attempts": [[rollout_id, attempt_id], ...],   # from links, first first
+     "attempts": [[rollout_id, attempt_id], ...],   # linked, least recently first
+     "parents": {span_id: [rollout_id, attempt_id]}, # the spans proxy calls were made in
      "waiting": {span_id: {"since_ms", "offset"}},  # orphans with no attempt yet
      "settled": [span_id, ...],                     # joined or dead-lettered
      "last_ms"}
@@ -33,15 +34,22 @@ State of one trace id (plain JSON, a Faust table value)::
 The waiting spans' records (bytes as read from ``orphan-spans``) live in a ``store``
 (:func:`store_key`), as the assembler keeps call tokens apart from its state.
 
-Rules:
-- an orphan of a trace with known attempts joins at once: one joined span per attempt;
+Rules (each orphan joins exactly one attempt, :func:`attempt_of`):
+- an orphan that is the parent of a linked call (the span the request was made in: the
+  framework's LLM span) joins that call's attempt;
+- any other orphan of a trace with linked calls joins the attempt linked most recently
+  (one trace is usually one agent run; a trace that outlives many rollouts, e.g. a service
+  loop under one root span, then puts each span with the rollout of its time, never every
+  span into every rollout);
 - an orphan of a trace with none waits; the first link releases every waiting span, in
-  arrival (offset) order, to its attempt;
+  arrival (offset) order;
 - a span still waiting ``orphan_timeout_s`` after it arrived -> dead letter
   ``no_rollout_id`` (stage ``joiner``; payload: its ``orphan-spans`` record, source offset);
-- a re-delivered orphan (same span id) or link (same attempt) changes nothing;
-- a link naming another attempt of the same trace later: orphans arriving after it join
-  every known attempt; spans already joined are not sent again;
+- a re-delivered orphan (same span id) changes nothing, nor does a link that tells nothing
+  new (same attempt as the latest, same parent);
+- ``attempts``, ``parents`` and ``settled`` keep their newest :data:`MAX_REMEMBERED` entries
+  (a long trace stays small; ``settled`` only guards against re-delivery, which happens
+  within a recovery window, and a re-joined span keeps its span id);
 - a state with nothing waiting expires ``retain_s`` after its last input.
 
 A joined span (:func:`joined_span`) is context, never a call: the proxy's record of the
@@ -62,6 +70,8 @@ from stream_jobs import dead_letters as dl
 JOINED_BY = "spanrl.joined_by"
 #: attribute of a joined span whose orphan record was a claim (oversize): the full record
 ORPHAN_PAYLOAD_REF = "spanrl.orphan_payload_ref"
+#: newest entries kept of a trace's attempts, call parents and settled span ids
+MAX_REMEMBERED = 256
 
 
 @dataclass(frozen=True)
@@ -99,13 +109,28 @@ def trace_link(span: dict, now_ms: int) -> dict | None:
     if span.get("source") != "proxy" or not span.get("parent_span_id") or not valid_trace_id(span.get("trace_id")):
         return None
     return {"schema_version": 1, "trace_id": span["trace_id"], "rollout_id": span["rollout_id"],
-            "attempt_id": span["attempt_id"], "span_id": span["span_id"], "timestamp_ms": int(now_ms)}
+            "attempt_id": span["attempt_id"], "span_id": span["span_id"],
+            "parent_span_id": span["parent_span_id"], "timestamp_ms": int(now_ms)}
 
 
 def new_state(trace_id: str, partition: int | None = None) -> dict:
     """Empty state of one trace id. ``partition``: the Kafka partition it lives on (app use)."""
-    return {"trace_id": trace_id, "partition": partition, "attempts": [], "waiting": {}, "settled": [],
-            "last_ms": None}
+    return {"trace_id": trace_id, "partition": partition, "attempts": [], "parents": {}, "waiting": {},
+            "settled": [], "last_ms": None}
+
+
+def attempt_of(state: dict, span_id: str) -> list[str] | None:
+    """``[rollout_id, attempt_id]`` an orphan ``span_id`` of this trace joins: the attempt of
+    the call it is the parent of, else the most recently linked attempt, else None (wait)."""
+    return state["parents"].get(span_id) or (state["attempts"][-1] if state["attempts"] else None)
+
+
+def _remember(items: list, item) -> None:
+    """Append ``item`` (moved to the end if present), keeping the newest MAX_REMEMBERED."""
+    if item in items:
+        items.remove(item)
+    items.append(item)
+    del items[:-MAX_REMEMBERED]
 
 
 def store_key(trace_id: str, span_id: str) -> str:
@@ -142,9 +167,10 @@ def add_orphan(state: dict, span: dict, raw: bytes, offset: int | None, store: M
         return out  # re-delivered
     _touch(state, now_ms)
     out.changed = True
-    if state["attempts"]:
-        out.spans = [joined_span(span, rid, aid) for rid, aid in state["attempts"]]
-        state["settled"].append(sid)
+    attempt = attempt_of(state, sid)
+    if attempt is not None:
+        out.spans = [joined_span(span, *attempt)]
+        _remember(state["settled"], sid)
         return out
     state["waiting"][sid] = {"since_ms": int(now_ms), "offset": offset}
     store[store_key(state["trace_id"], sid)] = raw
@@ -152,19 +178,24 @@ def add_orphan(state: dict, span: dict, raw: bytes, offset: int | None, store: M
 
 
 def add_link(state: dict, link: dict, store: MutableMapping, now_ms: int) -> JoinOutcome:
-    """One trace link (decoded trace_link.v1): its attempt becomes known; a first attempt
-    releases every waiting span to it, in arrival order."""
+    """One trace link (decoded trace_link.v1): its attempt becomes the most recent one and
+    its call's parent span is remembered; every waiting span is released, in arrival order,
+    to its attempt (:func:`attempt_of`)."""
     out = JoinOutcome()
-    attempt = [link["rollout_id"], link["attempt_id"]]
-    if attempt in state["attempts"]:
-        return out  # another call of the same attempt, or a re-delivered link
+    attempt, parent = [link["rollout_id"], link["attempt_id"]], link["parent_span_id"]
+    if state["attempts"][-1:] == [attempt] and state["parents"].get(parent) == attempt:
+        return out  # another call of the latest attempt in the same span, or a re-delivered link
     _touch(state, now_ms)
     out.changed = True
-    state["attempts"].append(attempt)
+    _remember(state["attempts"], attempt)
+    state["parents"].pop(parent, None)
+    state["parents"][parent] = attempt  # dicts keep insertion order: the oldest go first
+    for old in list(state["parents"])[:-MAX_REMEMBERED]:
+        del state["parents"][old]
     for sid in sorted(state["waiting"], key=lambda s: (state["waiting"][s]["offset"] or 0, s)):
         raw = store.pop(store_key(state["trace_id"], sid))
-        out.spans.append(joined_span(codec.decode("span", raw), *attempt))
-        state["settled"].append(sid)
+        out.spans.append(joined_span(codec.decode("span", raw), *attempt_of(state, sid)))
+        _remember(state["settled"], sid)
     state["waiting"] = {}
     return out
 
@@ -184,7 +215,7 @@ def advance(state: dict, store: MutableMapping, config: JoinConfig, now_ms: int)
             source_topic=config.orphan_topic, source_partition=state["partition"], source_offset=w["offset"],
             detail=f"span {sid} of trace {tid} has no spanrl.rollout_id, and no LLM proxy call of its trace "
                    f"came within {config.orphan_timeout_s:g}s"))
-        state["settled"].append(sid)
+        _remember(state["settled"], sid)
         out.changed = True
     return out
 

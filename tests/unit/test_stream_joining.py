@@ -21,8 +21,8 @@ def proxy_span(rid="r1", aid="0", sid="c" * 16, parent="a" * 16, trace_id=TID):
             "parent_span_id": parent, "name": "chat.completions", "kind": "llm", "source": "proxy"}
 
 
-def link(rid="r1", aid="0"):
-    return joining.trace_link(proxy_span(rid, aid), 5)
+def link(rid="r1", aid="0", parent="a" * 16):
+    return joining.trace_link(proxy_span(rid, aid, parent=parent), 5)
 
 
 def feed(state, store, sid, at_ms, offset, **kw):
@@ -33,7 +33,7 @@ def feed(state, store, sid, at_ms, offset, **kw):
 def test_trace_link_only_for_proxy_calls_with_a_trace_parent():
     assert joining.trace_link(proxy_span(), 5) == {
         "schema_version": 1, "trace_id": TID, "rollout_id": "r1", "attempt_id": "0", "span_id": "c" * 16,
-        "timestamp_ms": 5}
+        "parent_span_id": "a" * 16, "timestamp_ms": 5}
     assert codec.decode("trace_link", codec.encode("trace_link", link()))["rollout_id"] == "r1"
     assert joining.trace_link(proxy_span(parent=None), 5) is None          # random trace id of the proxy
     assert joining.trace_link({**proxy_span(), "source": "otlp"}, 5) is None  # the agent's own span
@@ -56,7 +56,8 @@ def test_orphans_wait_then_join_the_first_linked_attempt_in_arrival_order():
                             "attributes": {"llm.model_name": "policy", "spanrl.joined_by": "trace"}}
     assert out.spans[1]["agent_name"] == "planner" and out.spans[1]["kind"] == "agent"
     assert store == {} and state["waiting"] == {} and state["settled"] == ["b" * 16, "a" * 16]
-    assert state["attempts"] == [["r1", "0"]] and state["last_ms"] == 3000
+    assert state["attempts"] == [["r1", "0"]] and state["parents"] == {"a" * 16: ["r1", "0"]}
+    assert state["last_ms"] == 3000
     for s in out.spans:  # a span.v1 record as it is
         assert codec.decode("span", codec.encode("span", s)) == s
 
@@ -72,13 +73,32 @@ def test_an_orphan_after_the_link_joins_at_once_and_redeliveries_change_nothing(
     assert (dup.spans, dup.changed) == ([], False)
 
 
-def test_a_second_attempt_of_the_trace_gets_the_orphans_that_come_after_its_link():
+def test_each_orphan_joins_one_attempt_its_calls_or_the_latest_linked():
+    """A trace that spans several attempts (a retry, a service loop under one root span): a
+    call's parent span joins that call's attempt; any other span the latest linked attempt."""
     state, store = joining.new_state(TID, 0), {}
-    joining.add_link(state, link("r1", "0"), store, 0)
+    joining.add_link(state, link("r1", "0", parent="1" * 16), store, 0)
     feed(state, store, "b" * 16, 1 * S, offset=0)
-    assert joining.add_link(state, link("r1", "1"), store, 2 * S).spans == []  # b is not sent again
-    out = feed(state, store, "d" * 16, 3 * S, offset=1)
-    assert [(s["rollout_id"], s["attempt_id"]) for s in out.spans] == [("r1", "0"), ("r1", "1")]
+    assert joining.add_link(state, link("r2", "0", parent="2" * 16), store, 2 * S).spans == []  # b stays with r1
+    attempts = {sid: (sp["rollout_id"], sp["attempt_id"]) for sid in ("1" * 16, "2" * 16, "d" * 16)
+                for sp in feed(state, store, sid, 3 * S, offset=1).spans}
+    assert attempts == {"1" * 16: ("r1", "0"), "2" * 16: ("r2", "0"), "d" * 16: ("r2", "0")}
+    # r1 calls again: it is the latest attempt now; the same call parent again tells nothing new
+    assert joining.add_link(state, link("r1", "0", parent="3" * 16), store, 4 * S).changed
+    assert not joining.add_link(state, link("r1", "0", parent="3" * 16), store, 5 * S).changed
+    assert state["attempts"] == [["r2", "0"], ["r1", "0"]]
+    assert [sp["rollout_id"] for sp in feed(state, store, "e" * 16, 6 * S, offset=2).spans] == ["r1"]
+
+
+def test_a_long_trace_keeps_a_bounded_state():
+    state, store = joining.new_state(TID, 0), {}
+    n = joining.MAX_REMEMBERED + 10
+    for i in range(n):
+        joining.add_link(state, link(f"r{i}", "0", parent=f"{i:016x}"), store, i)
+        feed(state, store, f"{i + n:016x}", i, offset=i)
+    assert len(state["attempts"]) == len(state["parents"]) == len(state["settled"]) == joining.MAX_REMEMBERED
+    assert state["attempts"][-1] == [f"r{n - 1}", "0"] and f"{n - 1:016x}" in state["parents"]
+    assert "0" * 15 + "1" not in state["parents"]  # the oldest went first
 
 
 def test_no_link_within_the_timeout_is_no_rollout_id_with_the_record_as_payload():
@@ -144,3 +164,18 @@ def test_joined_llm_span_is_context_not_a_call():
         ("c" * 16, "planner", [4, 5])]  # the call's agent, through the joined LLM span to the agent span
     [account] = out.accounts
     assert [(c["span_id"], c["agent_source"]) for c in account["calls"]] == [("c" * 16, "telemetry")]
+
+
+def test_stream_config_reads_the_join_settings_and_a_replay_app_has_no_join():
+    from stream_jobs.app import StreamConfig, make_app
+
+    cfg = StreamConfig.from_env({"SPANRL_ORPHAN_SPANS_TOPIC": "x-orphan-spans", "SPANRL_ORPHAN_TIMEOUT_S": "5"})
+    assert (cfg.orphan_spans_topic, cfg.join_traces, cfg.orphan_timeout_s) == ("x-orphan-spans", True, 5.0)
+    assert (StreamConfig.from_env({}).orphan_spans_topic, StreamConfig.from_env({}).orphan_timeout_s) == (
+        "orphan-spans", 300.0)
+    for off in ("false", "0", "no", "OFF"):
+        assert StreamConfig.from_env({"SPANRL_STREAM_JOIN_TRACES": off}).join_traces is False
+    live = make_app(StreamConfig(app_id="unit-live"))
+    replay = make_app(StreamConfig(app_id="unit-replay", join_traces=False))  # what infra/replay.py runs
+    assert sorted(a.split(".")[-1] for a in live.agents) == ["assemble", "group", "join"]
+    assert sorted(a.split(".")[-1] for a in replay.agents) == ["assemble", "group"]
