@@ -223,12 +223,16 @@ class Stack:
         return self.components[name].health()
 
     def start(self, name: str, extra_env: dict[str, str] | None = None) -> None:
-        """Start one component (no-op if it is already running) and wait for its health.
+        """Start one component (if it is already running and healthy, only its idempotent
+        ``after_start`` set-up runs again: topics and buckets that are missing are created)
+        and wait for its health.
 
         Raises StackError (with the tail of its log) if it exits or stays unhealthy.
         """
         comp = self.components[name]
         if self.running(name) and comp.health():
+            if comp.after_start:  # idempotent set-up (missing topics, buckets): a stack started
+                comp.after_start()  # before schemas/topics.py declared a topic gets it now
             return
         self.logs.mkdir(parents=True, exist_ok=True)
         self.pids.mkdir(parents=True, exist_ok=True)
