@@ -214,7 +214,8 @@ def advance(state: dict, store: MutableMapping, config: JoinConfig, now_ms: int)
             dl.NO_ROLLOUT_ID, dl.JOINER, now_ms, payload=store.pop(store_key(tid, sid), None),
             source_topic=config.orphan_topic, source_partition=state["partition"], source_offset=w["offset"],
             detail=f"span {sid} of trace {tid} has no spanrl.rollout_id, and no LLM proxy call of its trace "
-                   f"came within {config.orphan_timeout_s:g}s"))
+                   f"came within {config.orphan_timeout_s:g}s (a call joins a trace when its HTTP request "
+                   f"carries the W3C traceparent)"))
         _remember(state["settled"], sid)
         out.changed = True
     return out

@@ -114,7 +114,7 @@ def test_no_link_within_the_timeout_is_no_rollout_id_with_the_record_as_payload(
         "source_partition": 3, "source_offset": 41, "rollout_id": None, "task_id": None, "payload": raw,
         "timestamp_ms": 11000,
         "detail": f"span {'b' * 16} of trace {TID} has no spanrl.rollout_id, and no LLM proxy call of its "
-                  "trace came within 10s"}]
+                  "trace came within 10s (a call joins a trace when its HTTP request carries the W3C traceparent)"}]
     assert store == {} and state["waiting"] == {} and state["settled"] == ["b" * 16]
     # once dead-lettered: a late link, a re-delivery and more ticks change nothing
     assert joining.add_link(state, link(), store, 12 * S).spans == []
