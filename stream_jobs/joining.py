@@ -160,7 +160,8 @@ def _touch(state: dict, now_ms: int) -> None:
 def add_orphan(state: dict, span: dict, raw: bytes, offset: int | None, store: MutableMapping,
                now_ms: int) -> JoinOutcome:
     """One span of ``orphan-spans`` (``span`` decoded, ``raw`` its record as read, at
-    ``offset``): joined at once to every known attempt, or kept waiting in ``store``."""
+    ``offset``): joined at once to its attempt (:func:`attempt_of`), or, while the trace
+    has none, kept waiting in ``store``."""
     out = JoinOutcome()
     sid = span["span_id"]
     if sid in state["waiting"] or sid in state["settled"]:
