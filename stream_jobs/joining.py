@@ -1,5 +1,5 @@
 """Trace join: spans that carry no rollout id join the rollout attempt of a proxy call of
-their trace. Pure state logic (no Faust), like :mod:`stream_jobs.assembly`.
+their trace. Pure state logic (no Faust), like :mod:`spanrl.stream_jobs.assembly`.
 
 An agent instrumented only by its framework's own OpenTelemetry instrumentation (an
 OpenInference or OTel GenAI instrumentor with a plain TracerProvider, no spanrl
@@ -63,8 +63,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from schemas import codec
-from stream_jobs import dead_letters as dl
+from spanrl.schemas import codec
+from spanrl.stream_jobs import dead_letters as dl
 
 #: attribute of a joined span: its rollout came from the trace join, not from the agent
 JOINED_BY = "spanrl.joined_by"

@@ -1,18 +1,18 @@
-"""The stream app end to end against the real Kafka and MinIO (infra.settings).
+"""The stream app end to end against the real Kafka and MinIO (spanrl.infra.settings).
 
-Runs ``python -m stream_jobs.app worker`` as a subprocess on private topics
+Runs ``python -m spanrl.stream_jobs.app worker`` as a subprocess on private topics
 (``sjtest-<uuid>-*``) and a private app id:
 
 - 2 tasks x 2 rollouts x 2 LLM calls (+ a tool span, a re-delivered span, one
   undecodable record): exactly what reaches transitions, samples and dead-letter;
 - a span above the spans topic's limit posted to the OTLP bridge (``python -m
-  producers.bridge``): claim-checked into MinIO, resolved by the worker, full token ids
+  spanrl.producers.bridge``): claim-checked into MinIO, resolved by the worker, full token ids
   in the transition; claims to a missing or altered object -> ``claim_unresolved``;
 - a worker SIGKILLed with a call pending: the restarted worker recovers its tables
   from the changelogs and emits the call;
 - a real ``openai`` client instrumented only by OpenInference's OpenAI instrumentor (a plain
   TracerProvider exporting to the bridge, no spanrl rollout context) calling the proxy
-  (``python -m producers.proxy``, the stack's vLLM behind it): its spans join the call's
+  (``python -m spanrl.producers.proxy``, the stack's vLLM behind it): its spans join the call's
   rollout by trace id, one transition, and a trace without a proxy call ends ``no_rollout_id``.
 """
 from __future__ import annotations
@@ -41,13 +41,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 
-from infra.stack import Stack, stop_process_group
-from producers import claims
+from spanrl.infra.stack import Stack, stop_process_group
+from spanrl.producers import claims
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from infra.settings import get_settings
-from schemas import codec, topics
+from spanrl.infra.settings import get_settings
+from spanrl.schemas import codec, topics
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
            "SPANRL_REWARD_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "60"}
     log = open(tmp_path / "worker.log", "wb")
     # cwd: Faust writes <app_id>-data into the working directory
-    proc = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+    proc = subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
                             cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -247,7 +247,7 @@ def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **ext
            "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"], "SPANRL_ORPHAN_SPANS_TOPIC": names["orphan-spans"],
            "SPANRL_SETTLE_S": "1", "PYTHONPATH": str(REPO), **extra}
     # cwd: Faust writes <app_id>-data into the working directory
-    return subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+    return subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
                             cwd=log_path.parent, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -370,7 +370,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
     altered_key = claims.content_key(names["spans"], "ralt", b"the original")
     minio.put_object(bucket, altered_key, io.BytesIO(b"something else"), 14)
     web_port, bridge_port = _free_port(), _free_port()
-    bridge = subprocess.Popen([sys.executable, "-m", "producers.bridge", "--port", str(bridge_port),
+    bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
                                "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
                               stdout=open(tmp_path / "bridge.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)
@@ -394,7 +394,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
         counters = _counters(web_port)
         # MinIO unreachable: the oversize span is refused with 503 + Retry-After, nothing produced
         stop_process_group(bridge, grace_s=10)
-        bridge = subprocess.Popen([sys.executable, "-m", "producers.bridge", "--port", str(bridge_port),
+        bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
                                    "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
                                   env={**os.environ, "SPANRL_MINIO_PORT": "1"},
                                   stdout=open(tmp_path / "bridge2.log", "wb"), stderr=subprocess.STDOUT,
@@ -524,15 +524,15 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from producers.instrument import propagate_trace_context
+    from spanrl.producers.instrument import propagate_trace_context
 
     kafka_minio.start("vllm")
     suffix = uuid.uuid4().hex[:8]
     names, app_id, prefix = _names(suffix), f"sjtest-stream-{suffix}", f"sjtest-{suffix}-"
     asyncio.run(_admin("create", names))
     web_port, bridge_port, proxy_port = _free_port(), _free_port(), _free_port()
-    bridge = _start_service("producers.bridge", bridge_port, prefix, tmp_path / "bridge.log")
-    proxy = _start_service("producers.proxy", proxy_port, prefix, tmp_path / "proxy.log", "--reloader-url", "")
+    bridge = _start_service("spanrl.producers.bridge", bridge_port, prefix, tmp_path / "bridge.log")
+    proxy = _start_service("spanrl.producers.proxy", proxy_port, prefix, tmp_path / "proxy.log", "--reloader-url", "")
     worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", SPANRL_ORPHAN_TIMEOUT_S="5")
     bridge_url, proxy_url = f"http://127.0.0.1:{bridge_port}", f"http://127.0.0.1:{proxy_port}"
     provider = TracerProvider(resource=Resource.create({"service.name": "plain-otel-agent"}))

@@ -7,8 +7,8 @@ from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from producers.bridge import InflightBuffer, create_app
-from producers.kafka import Sink, Topics
+from spanrl.producers.bridge import InflightBuffer, create_app
+from spanrl.producers.kafka import Sink, Topics
 
 PB = {"content-type": "application/x-protobuf"}
 
@@ -106,7 +106,7 @@ class RecordingSink(Sink):
 def test_spans_without_rollout_id_go_to_orphan_spans_keyed_by_trace_id():
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-    from schemas import codec
+    from spanrl.schemas import codec
 
     req = ExportTraceServiceRequest()
     spans = req.resource_spans.add().scope_spans.add().spans

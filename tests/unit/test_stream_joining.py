@@ -1,7 +1,7 @@
 """The trace join (stream_jobs/joining.py): orphan spans + trace links -> joined spans or
 ``no_rollout_id`` dead letters, with exact records."""
-from schemas import codec
-from stream_jobs import assembly, joining
+from spanrl.schemas import codec
+from spanrl.stream_jobs import assembly, joining
 
 S = 1000  # ms per second
 TID = "9d2d1ede8da0c9eed1392c9c58431527"
@@ -167,7 +167,7 @@ def test_joined_llm_span_is_context_not_a_call():
 
 
 def test_stream_config_reads_the_join_settings_and_a_replay_app_has_no_join():
-    from stream_jobs.app import StreamConfig, make_app
+    from spanrl.stream_jobs.app import StreamConfig, make_app
 
     cfg = StreamConfig.from_env({"SPANRL_ORPHAN_SPANS_TOPIC": "x-orphan-spans", "SPANRL_ORPHAN_TIMEOUT_S": "5"})
     assert (cfg.orphan_spans_topic, cfg.join_traces, cfg.orphan_timeout_s) == ("x-orphan-spans", True, 5.0)
