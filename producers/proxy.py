@@ -104,6 +104,11 @@ def parse_body(content_type: str | None, raw: bytes) -> dict:
 def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_version: int) -> dict:
     """The LlmCall record of one vLLM answer (n=1).
 
+    A tool-call answer is recorded like any other: its completion token ids are the text
+    vLLM's tool-call parser read the calls from (``<tool_call>{...}</tool_call>`` with the
+    ``hermes`` parser), and ``finish_reason`` is vLLM's (``tool_calls`` for ``tool_choice``
+    auto/required, ``stop`` for a named ``tool_choice``, as OpenAI's API does).
+
     vLLM 0.32 fields used (with ``return_token_ids: true`` and logprobs asked):
       chat:        response.prompt_token_ids, choices[0].token_ids,
                    choices[0].logprobs.content[i].logprob
@@ -525,8 +530,39 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
     for key in ("temperature", "top_p", "max_tokens"):
         if body.get(key) is not None:
             attrs[f"gen_ai.request.{key}"] = json.dumps(body[key])
+    attrs.update(tool_attributes(body, response))
     if agent:
         attrs["spanrl.agent_name"] = agent
+    return attrs
+
+
+def _function_name(item) -> str | None:
+    """``item["function"]["name"]`` of an OpenAI tool or tool call, None when it has none."""
+    function = item.get("function") if isinstance(item, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def tool_attributes(body: dict, response: dict) -> dict[str, str]:
+    """Span attributes of a chat call's tools (none when it offered and called no tool).
+
+    ``spanrl.tools``: JSON list of the offered functions' names (``body["tools"]``);
+    ``spanrl.tool_choice``: the request's ``tool_choice`` as JSON (``"auto"``, ``"required"``,
+    ``{"type": "function", "function": {"name": ...}}``); ``spanrl.tool_calls``: JSON list of
+    the names of the functions the first choice called (``choices[0].message.tool_calls``,
+    as vLLM's tool-call parser read them from the completion). Malformed entries are skipped.
+    """
+    attrs: dict[str, str] = {}
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        attrs["spanrl.tools"] = json.dumps([n for n in map(_function_name, tools) if n is not None])
+    if body.get("tool_choice") is not None:
+        attrs["spanrl.tool_choice"] = json.dumps(body["tool_choice"])
+    choices = response.get("choices") or [{}]
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if isinstance(calls, list) and calls:
+        attrs["spanrl.tool_calls"] = json.dumps([n for n in map(_function_name, calls) if n is not None])
     return attrs
 
 
