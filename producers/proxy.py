@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from producers import claims, edge
+from producers import claims, edge, messages
 from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from schemas import codec
 
@@ -359,13 +359,19 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     edge.install_error_handlers(app, error)
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
-                   topics: Topics = train_topics, sampling: str | None = None) -> Response:
+                   topics: Topics = train_topics, sampling: str | None = None,
+                   messages_api: bool = False) -> Response:
+        """``messages_api``: the body is an Anthropic Messages request, served as a chat call
+        (producers/messages.py) and answered as a Messages answer."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
             body = parse_body(request.headers.get("content-type"), await request.body())
-        except BadRequest as exc:
+            if messages_api:
+                metrics["messages_requests"] += 1
+                body = messages.chat_request(body)
+        except (BadRequest, messages.MessagesError) as exc:
             return error(exc.status, exc.reason, exc.detail)
         if sampling is not None and sampling != "agent":
             temperature = eval_temperature(sampling)
@@ -410,6 +416,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             "attributes": span_attributes(endpoint, body, response, agent),
             "llm": None, "payload_ref": None,
         }
+        if messages_api:
+            span["attributes"]["spanrl.api"] = "anthropic.messages"
         items: list[tuple] = []
         try:
             span["llm"] = llm_call_from_response(endpoint, body, response, policy.version)
@@ -432,7 +440,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except KafkaUnavailable as exc:
             return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         metrics["spans"] += 1
-        return JSONResponse(strip_response(endpoint, body, response))
+        answer = strip_response(endpoint, body, response)
+        return JSONResponse(messages.message_response(answer) if messages_api else answer)
 
     prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
     # the same API, recorded on the evaluation topics; {sampling}: "agent" keeps the client's
@@ -446,6 +455,16 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     @app.post(prefix + "/completions")
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
+
+    # Anthropic Messages: the client's base URL is the prefix without /v1 (the SDK adds /v1/messages)
+    @app.post(prefix + "/messages")
+    async def anthropic_messages(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, messages_api=True)
+
+    @app.post(eval_prefix + "/messages")
+    async def eval_anthropic_messages(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
+                          messages_api=True)
 
     @app.post(eval_prefix + "/chat/completions")
     async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:

@@ -17,11 +17,6 @@ from typing import Literal
 import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
-from transformers import AutoTokenizer
-
-from infra.replay import read_records, topics_end_offsets
-from schemas import codec
-from schemas import topics as T
 
 pytestmark = pytest.mark.integration
 
@@ -31,25 +26,6 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(settings):
-    return AutoTokenizer.from_pretrained(settings.model_dir)
-
-
-@pytest.fixture
-def spans_of(stack, settings):
-    """``spans_of(rollout_id)``: the proxy's spans of a rollout produced since the test began
-    (the proxy produces a call's span before it answers)."""
-    start = {tp.partition: off for tp, off in asyncio.run(topics_end_offsets(settings, [T.SPANS])).items()}
-
-    def read(rollout_id: str) -> list[dict]:
-        recs = [codec.decode(T.SPANS.record, v)
-                for _, _, _, v in asyncio.run(read_records(settings.kafka_bootstrap, T.SPANS.name, start))]
-        return sorted((r for r in recs if r["rollout_id"] == rollout_id), key=lambda r: r["sequence_id"])
-
-    return read
 
 
 def _client(settings, rollout_id: str, cls=openai.OpenAI):
