@@ -187,3 +187,25 @@ def test_proxy_bad_input_is_counted():
                                   "unsupported_media_type", "invalid_request", "spans")} == {
         "requests": 4, "http_400": 3, "http_415": 1, "http_422": 1, "invalid_json": 3,
         "unsupported_media_type": 1, "invalid_request": 1, "spans": None}
+
+
+def test_proxy_messages_route_refuses_before_vllm():
+    """``/v1/messages`` refusals: parsed and translated before vLLM or Kafka (unreachable here)."""
+    from fastapi.testclient import TestClient
+
+    from producers.kafka import Sink, Topics
+    from producers.proxy import create_app
+
+    app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
+    user = [{"role": "user", "content": "x"}]
+    with TestClient(app) as client:
+        for url in ("/rollouts/r/attempts/0/v1/messages", "/eval/0/rollouts/r/attempts/0/v1/messages"):
+            for body, status, reason in [
+                ({"model": "policy", "messages": user}, 400, "invalid_request"),
+                ({"model": "policy", "max_tokens": 4, "messages": user, "stream": True}, 400, "stream_not_supported"),
+                ({"model": "other", "max_tokens": 4, "messages": user}, 404, "model_not_found"),
+            ]:
+                r = client.post(url, json=body)
+                assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
+        m = client.get("/metrics").json()
+    assert (m["messages_requests"], m["eval_requests"], m["http_400"], m["http_404"]) == (6, 3, 4, 2)
