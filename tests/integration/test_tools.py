@@ -1,4 +1,4 @@
-"""Tool calls through the proxy with the real clients (OpenAI SDK, OpenAI Agents SDK) against
+"""Tool calls through the proxy with the real clients (OpenAI SDK, OpenAI Agents SDK, LangChain) against
 the stack's vLLM, which runs with a tool-call parser (``settings.vllm_tool_call_parser``) and
 spanrl's chat template. Each call is recorded with the exact tokens the parser read the calls from.
 
@@ -137,3 +137,17 @@ def test_rag_agent_tool_path_against_the_stack(settings, spans_of):
     assert len(spans) == episode["calls"] >= 2
     assert spans[0]["attributes"]["spanrl.tool_calls"] == '["search"]'
     assert json.loads(spans[0]["attributes"]["spanrl.tool_choice"]) == {"type": "function", "function": {"name": "search"}}
+
+
+def test_langchain_bind_tools_with_a_named_tool_choice(settings, spans_of):
+    from langchain_openai import ChatOpenAI
+
+    rid = uuid.uuid4().hex
+    llm = ChatOpenAI(model=settings.model_name, base_url=f"{settings.proxy_url}/rollouts/{rid}/attempts/0/v1",
+                     api_key="unused", max_retries=0, max_tokens=48, temperature=0.0)
+    reply = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    [call] = reply.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo")
+    [span] = spans_of(rid)
+    assert span["attributes"]["spanrl.tool_calls"] == '["get_weather"]'
+    assert len(span["llm"]["completion_token_ids"]) == reply.usage_metadata["output_tokens"]
