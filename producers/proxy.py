@@ -12,6 +12,10 @@ The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evalu
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
 ``agent`` (the client's own sampling) or a temperature every call gets (``0``: greedy).
 
+Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
+(their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
+(producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids.
+
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
 restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
