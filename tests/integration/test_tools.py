@@ -121,8 +121,9 @@ def test_agents_sdk_function_tool_runs_and_the_model_answers(settings, spans_of,
     prompt = tokenizer.decode(answer["llm"]["prompt_token_ids"])
     assert json.dumps(made) in prompt
     assert f"<tool_response>\nSunny and 21 C in {ran[0]}.\n</tool_response>" in prompt
-    assert "spanrl.tool_choice" not in answer["attributes"] or answer["attributes"]["spanrl.tool_choice"] != \
-        forced["attributes"]["spanrl.tool_choice"]
+    assert forced["attributes"]["spanrl.tool_choice"] == '{"type": "function", "function": {"name": "get_weather"}}'
+    assert "spanrl.tool_choice" not in answer["attributes"]  # reset: no tool_choice sent, vLLM's default is auto
+    assert answer["attributes"]["spanrl.tools"] == '["get_weather"]'
 
 
 def test_rag_agent_tool_path_against_the_stack(settings, spans_of):
