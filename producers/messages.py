@@ -14,7 +14,7 @@ request ``model``, ``max_tokens``, ``messages`` (``user`` / ``assistant`` turns 
 blocks (``text``, ``tool_use``), ``stop_reason`` (``end_turn``, ``max_tokens``,
 ``stop_sequence``, ``tool_use``), ``usage`` (``input_tokens``, ``output_tokens``).
 Anything else the proxy cannot serve faithfully (images, documents, thinking, server tools,
-streaming) is refused with :class:`~producers.proxy.BadRequest`-shaped errors, never dropped.
+streaming) is refused with :class:`~spanrl.producers.proxy.BadRequest`-shaped errors, never dropped.
 """
 from __future__ import annotations
 

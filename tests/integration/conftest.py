@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from infra.replay import read_records, topics_end_offsets
-from schemas import codec
-from schemas import topics as T
+from spanrl.infra.replay import read_records, topics_end_offsets
+from spanrl.schemas import codec
+from spanrl.schemas import topics as T
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from infra.settings import Settings
+from spanrl.infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (ROOT / Settings().vllm_chat_template).read_text()
@@ -44,7 +44,7 @@ def test_without_tools_it_renders_smollm2s_chatml():
 def test_without_tools_it_renders_exactly_what_the_models_own_template_does(messages, generation):
     own = Settings().model_dir / "chat_template.jinja"
     if not own.exists():
-        pytest.skip(f"no converted model at {own.parent} (python -m infra.model)")
+        pytest.skip(f"no converted model at {own.parent} (python -m spanrl.infra.model)")
     assert render(messages, generation=generation) == render(messages, template=own.read_text(), generation=generation)
 
 

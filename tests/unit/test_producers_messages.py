@@ -1,4 +1,4 @@
-"""Anthropic Messages <-> chat completions translation (producers.messages)."""
+"""Anthropic Messages <-> chat completions translation (spanrl.producers.messages)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.messages import MessagesError, chat_request, message_response
+from spanrl.producers.messages import MessagesError, chat_request, message_response
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 WEATHER = {"name": "get_weather", "description": "Current weather",

@@ -3,8 +3,8 @@ import base64
 
 from pathlib import Path
 
-from infra.settings import Settings
-from infra.stack import _kafka_cluster_id, vllm_args
+from spanrl.infra.settings import Settings
+from spanrl.infra.stack import _kafka_cluster_id, vllm_args
 
 
 def test_kafka_cluster_ids_are_16_bytes_and_never_look_like_options():
