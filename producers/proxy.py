@@ -12,6 +12,10 @@ The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evalu
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
 ``agent`` (the client's own sampling) or a temperature every call gets (``0``: greedy).
 
+Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
+(their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
+(producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids.
+
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
 restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
@@ -40,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge
+from spanrl.producers import claims, edge, messages
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.schemas import codec
 
@@ -103,6 +107,11 @@ def parse_body(content_type: str | None, raw: bytes) -> dict:
 # ---------------------------------------------------------------- pure functions
 def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_version: int) -> dict:
     """The LlmCall record of one vLLM answer (n=1).
+
+    A tool-call answer is recorded like any other: its completion token ids are the text
+    vLLM's tool-call parser read the calls from (``<tool_call>{...}</tool_call>`` with the
+    ``hermes`` parser), and ``finish_reason`` is vLLM's (``tool_calls`` for ``tool_choice``
+    auto/required, ``stop`` for a named ``tool_choice``, as OpenAI's API does).
 
     vLLM 0.32 fields used (with ``return_token_ids: true`` and logprobs asked):
       chat:        response.prompt_token_ids, choices[0].token_ids,
@@ -354,13 +363,19 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     edge.install_error_handlers(app, error)
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
-                   topics: Topics = train_topics, sampling: str | None = None) -> Response:
+                   topics: Topics = train_topics, sampling: str | None = None,
+                   messages_api: bool = False) -> Response:
+        """``messages_api``: the body is an Anthropic Messages request, served as a chat call
+        (producers/messages.py) and answered as a Messages answer."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
             body = parse_body(request.headers.get("content-type"), await request.body())
-        except BadRequest as exc:
+            if messages_api:
+                metrics["messages_requests"] += 1
+                body = messages.chat_request(body)
+        except (BadRequest, messages.MessagesError) as exc:
             return error(exc.status, exc.reason, exc.detail)
         if sampling is not None and sampling != "agent":
             temperature = eval_temperature(sampling)
@@ -405,6 +420,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             "attributes": span_attributes(endpoint, body, response, agent),
             "llm": None, "payload_ref": None,
         }
+        if messages_api:
+            span["attributes"]["spanrl.api"] = "anthropic.messages"
         items: list[tuple] = []
         try:
             span["llm"] = llm_call_from_response(endpoint, body, response, policy.version)
@@ -427,7 +444,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except KafkaUnavailable as exc:
             return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         metrics["spans"] += 1
-        return JSONResponse(strip_response(endpoint, body, response))
+        answer = strip_response(endpoint, body, response)
+        return JSONResponse(messages.message_response(answer) if messages_api else answer)
 
     prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
     # the same API, recorded on the evaluation topics; {sampling}: "agent" keeps the client's
@@ -441,6 +459,16 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     @app.post(prefix + "/completions")
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
+
+    # Anthropic Messages: the client's base URL is the prefix without /v1 (the SDK adds /v1/messages)
+    @app.post(prefix + "/messages")
+    async def anthropic_messages(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, messages_api=True)
+
+    @app.post(eval_prefix + "/messages")
+    async def eval_anthropic_messages(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
+                          messages_api=True)
 
     @app.post(eval_prefix + "/chat/completions")
     async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
@@ -525,8 +553,39 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
     for key in ("temperature", "top_p", "max_tokens"):
         if body.get(key) is not None:
             attrs[f"gen_ai.request.{key}"] = json.dumps(body[key])
+    attrs.update(tool_attributes(body, response))
     if agent:
         attrs["spanrl.agent_name"] = agent
+    return attrs
+
+
+def _function_name(item) -> str | None:
+    """``item["function"]["name"]`` of an OpenAI tool or tool call, None when it has none."""
+    function = item.get("function") if isinstance(item, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def tool_attributes(body: dict, response: dict) -> dict[str, str]:
+    """Span attributes of a chat call's tools (none when it offered and called no tool).
+
+    ``spanrl.tools``: JSON list of the offered functions' names (``body["tools"]``);
+    ``spanrl.tool_choice``: the request's ``tool_choice`` as JSON (``"auto"``, ``"required"``,
+    ``{"type": "function", "function": {"name": ...}}``); ``spanrl.tool_calls``: JSON list of
+    the names of the functions the first choice called (``choices[0].message.tool_calls``,
+    as vLLM's tool-call parser read them from the completion). Malformed entries are skipped.
+    """
+    attrs: dict[str, str] = {}
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        attrs["spanrl.tools"] = json.dumps([n for n in map(_function_name, tools) if n is not None])
+    if body.get("tool_choice") is not None:
+        attrs["spanrl.tool_choice"] = json.dumps(body["tool_choice"])
+    choices = response.get("choices") or [{}]
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if isinstance(calls, list) and calls:
+        attrs["spanrl.tool_calls"] = json.dumps([n for n in map(_function_name, calls) if n is not None])
     return attrs
 
 
