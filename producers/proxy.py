@@ -9,11 +9,15 @@ current policy version in a Span (source=proxy, kind=llm), waits for Kafka to
 acknowledge it, and only then returns vLLM's answer, minus what the client did not ask for.
 ``POST .../v1/responses`` (the Responses API, the OpenAI Agents SDK's default model) is
 served from vLLM's chat completions (producers/responses.py says why): one chat call per
-request, recorded as a span named ``responses``, answered as a Response object.
+request, recorded like any chat call (``spanrl.api`` ``responses``), answered as a Response object.
 The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evaluation topics
 (``spans.eval``, ``dead-letter.eval``) instead: what ``spanrl eval`` and the release gate
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
 ``agent`` (the client's own sampling) or a temperature every call gets (``0``: greedy).
+
+Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
+(their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
+(producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids.
 
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
@@ -43,7 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, responses
+from spanrl.producers import claims, edge, messages, responses
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.schemas import codec
@@ -51,6 +55,8 @@ from spanrl.schemas import codec
 log = logging.getLogger("spanrl.proxy")
 RETRY_AFTER_S = "5"
 CHAT, COMPLETIONS = "chat.completions", "completions"
+#: client APIs served from vLLM's chat completions (the span's ``spanrl.api``)
+MESSAGES = "anthropic.messages"
 
 
 class MissingTokenIds(ValueError):
@@ -99,6 +105,11 @@ def parse_body(content_type: str | None, raw: bytes) -> dict:
 # ---------------------------------------------------------------- pure functions
 def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_version: int) -> dict:
     """The LlmCall record of one vLLM answer (n=1).
+
+    A tool-call answer is recorded like any other: its completion token ids are the text
+    vLLM's tool-call parser read the calls from (``<tool_call>{...}</tool_call>`` with the
+    ``hermes`` parser), and ``finish_reason`` is vLLM's (``tool_calls`` for ``tool_choice``
+    auto/required, ``stop`` for a named ``tool_choice``, as OpenAI's API does).
 
     vLLM 0.32 fields used (with ``return_token_ids: true`` and logprobs asked):
       chat:        response.prompt_token_ids, choices[0].token_ids,
@@ -355,20 +366,24 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
                    topics: Topics = train_topics, sampling: str | None = None,
-                   client_api: str | None = None) -> Response:
-        """One recorded vLLM call. ``client_api`` ``responses``: the client's body is a
-        Responses request, sent to vLLM as chat (``responses.chat_request``) and answered
-        as a Response object; the span is named ``responses``."""
+                   api: str | None = None) -> Response:
+        """One recorded vLLM call. ``api``: the client's API when it is not vLLM's, served as a
+        chat call: ``responses.RESPONSES`` (producers/responses.py, answered as a Response
+        object) or :data:`MESSAGES` (producers/messages.py, answered as a Messages answer);
+        the span says which in ``spanrl.api``."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
             body = client_body = parse_body(request.headers.get("content-type"), await request.body())
-            if client_api == responses.RESPONSES:
+            if api == responses.RESPONSES:
                 metrics["responses_requests"] += 1
                 body = responses.chat_request(client_body)
-        except BadRequest as exc:
-            return error(exc.status, exc.reason, exc.detail, param=exc.param)
+            elif api == MESSAGES:
+                metrics["messages_requests"] += 1
+                body = messages.chat_request(client_body)
+        except (BadRequest, messages.MessagesError) as exc:
+            return error(exc.status, exc.reason, exc.detail, param=getattr(exc, "param", None))
         if sampling is not None and sampling != "agent":
             temperature = eval_temperature(sampling)
             if temperature is None:
@@ -406,12 +421,14 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             "trace_id": trace[0] if trace else secrets.token_hex(16),
             "span_id": secrets.token_hex(8),
             "parent_span_id": trace[1] if trace else None,
-            "name": client_api or endpoint, "kind": "llm", "source": "proxy",
+            "name": endpoint, "kind": "llm", "source": "proxy",
             "start_time_unix_nano": start_ns, "end_time_unix_nano": end_ns,
             "status_code": "OK", "agent_name": agent,
-            "attributes": span_attributes(endpoint, body, response, agent, client_api),
+            "attributes": span_attributes(endpoint, body, response, agent),
             "llm": None, "payload_ref": None,
         }
+        if api:
+            span["attributes"]["spanrl.api"] = api
         items: list[tuple] = []
         try:
             span["llm"] = llm_call_from_response(endpoint, body, response, policy.version)
@@ -434,9 +451,10 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except KafkaUnavailable as exc:
             return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         metrics["spans"] += 1
-        if client_api == responses.RESPONSES:
+        if api == responses.RESPONSES:
             return JSONResponse(responses.response_object(client_body, body, response))
-        return JSONResponse(strip_response(endpoint, body, response))
+        answer = strip_response(endpoint, body, response)
+        return JSONResponse(messages.message_response(answer) if api == MESSAGES else answer)
 
     prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
     # the same API, recorded on the evaluation topics; {sampling}: "agent" keeps the client's
@@ -451,10 +469,24 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
 
+    # Anthropic Messages: the client's base URL is the prefix without /v1 (the SDK adds /v1/messages)
+    @app.post(prefix + "/messages")
+    async def anthropic_messages(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, api=MESSAGES)
+
+    @app.post(eval_prefix + "/messages")
+    async def eval_anthropic_messages(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
+                          api=MESSAGES)
+
     @app.post(prefix + "/responses")
     async def responses_api(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request,
-                          client_api=responses.RESPONSES)
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, api=responses.RESPONSES)
+
+    @app.post(eval_prefix + "/responses")
+    async def eval_responses_api(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
+                          api=responses.RESPONSES)
 
     @app.post(eval_prefix + "/chat/completions")
     async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
@@ -463,11 +495,6 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     @app.post(eval_prefix + "/completions")
     async def eval_completions(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request, eval_topics, sampling)
-
-    @app.post(eval_prefix + "/responses")
-    async def eval_responses_api(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
-                          client_api=responses.RESPONSES)
 
     @app.get(eval_prefix + "/models")
     async def eval_models(sampling: str, rollout_id: str, attempt_id: str) -> Response:
@@ -528,11 +555,8 @@ def eval_temperature(sampling: str) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None,
-                    client_api: str | None = None) -> dict[str, str]:
-    """GenAI semantic-convention attributes of one call (all values as strings); ``body``
-    is what vLLM was sent. ``client_api`` (``responses``): the API the client used, when the
-    proxy translated it to ``endpoint`` (``spanrl.client_api``, ``spanrl.upstream_endpoint``)."""
+def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None) -> dict[str, str]:
+    """GenAI semantic-convention attributes of one call (all values as strings)."""
     usage = response.get("usage") or {}
     attrs = {
         "gen_ai.operation.name": "chat" if endpoint == CHAT else "text_completion",
@@ -547,11 +571,39 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
     for key in ("temperature", "top_p", "max_tokens"):
         if body.get(key) is not None:
             attrs[f"gen_ai.request.{key}"] = json.dumps(body[key])
+    attrs.update(tool_attributes(body, response))
     if agent:
         attrs["spanrl.agent_name"] = agent
-    if client_api:
-        attrs["spanrl.client_api"] = client_api
-        attrs["spanrl.upstream_endpoint"] = endpoint
+    return attrs
+
+
+def _function_name(item) -> str | None:
+    """``item["function"]["name"]`` of an OpenAI tool or tool call, None when it has none."""
+    function = item.get("function") if isinstance(item, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def tool_attributes(body: dict, response: dict) -> dict[str, str]:
+    """Span attributes of a chat call's tools (none when it offered and called no tool).
+
+    ``spanrl.tools``: JSON list of the offered functions' names (``body["tools"]``);
+    ``spanrl.tool_choice``: the request's ``tool_choice`` as JSON (``"auto"``, ``"required"``,
+    ``{"type": "function", "function": {"name": ...}}``); ``spanrl.tool_calls``: JSON list of
+    the names of the functions the first choice called (``choices[0].message.tool_calls``,
+    as vLLM's tool-call parser read them from the completion). Malformed entries are skipped.
+    """
+    attrs: dict[str, str] = {}
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        attrs["spanrl.tools"] = json.dumps([n for n in map(_function_name, tools) if n is not None])
+    if body.get("tool_choice") is not None:
+        attrs["spanrl.tool_choice"] = json.dumps(body["tool_choice"])
+    choices = response.get("choices") or [{}]
+    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if isinstance(calls, list) and calls:
+        attrs["spanrl.tool_calls"] = json.dumps([n for n in map(_function_name, calls) if n is not None])
     return attrs
 
 

@@ -17,7 +17,7 @@ SmolLM2-135M-Instruct, and in ``vllm/entrypoints/openai/responses/serving.py``):
 Chat completions returns every prompt and completion token id and a log-prob per completion
 token (what :func:`spanrl.producers.proxy.llm_call_from_response` records), so a Responses request is
 translated to one chat request (:func:`chat_request`), sent through the proxy's chat path
-(recorded as one call, span name ``responses``), and vLLM's chat answer is translated back to
+(recorded as one chat call, attribute ``spanrl.api`` ``responses``), and vLLM's chat answer is translated back to
 a Response object (:func:`response_object`). Source of the shapes: the ``openai`` package's
 ``types/responses`` (3.57) and the API reference (platform.openai.com/docs/api-reference/responses).
 

@@ -1,8 +1,8 @@
 """The Responses API through the stack's proxy (``settings.proxy_url``), vLLM and Kafka, with
 the real clients: the OpenAI Agents SDK's default model (``Agent(model=name)`` resolved by an
 ``OpenAIProvider`` to ``OpenAIResponsesModel``), LangChain ``ChatOpenAI(use_responses_api=True)``
-and the OpenAI SDK's ``responses.create``. Each model turn must be one span (name
-``responses``) whose completion token ids are what the answer came from: decoded with the
+and the OpenAI SDK's ``responses.create``. Each model turn must be one span (a chat call,
+``spanrl.api`` ``responses``) whose completion token ids are what the answer came from: decoded with the
 served model's tokenizer they give the answer's text, and their count is the Response's
 ``usage.output_tokens``."""
 from __future__ import annotations
@@ -49,9 +49,8 @@ def assert_answer_is_the_call(span: dict, text: str, input_tokens: int, output_t
     """``span`` is the record of the call the client's answer ``text`` (and its token counts)
     came from."""
     llm = span["llm"]
-    assert (span["name"], span["source"], span["kind"]) == ("responses", "proxy", "llm")
-    assert span["attributes"]["spanrl.client_api"] == "responses"
-    assert span["attributes"]["spanrl.upstream_endpoint"] == "chat.completions"
+    assert (span["name"], span["source"], span["kind"]) == ("chat.completions", "proxy", "llm")
+    assert span["attributes"]["spanrl.api"] == "responses"
     assert tokenizer.decode(llm["completion_token_ids"], skip_special_tokens=True) == text
     assert len(llm["completion_logprobs"]) == len(llm["completion_token_ids"]) == output_tokens
     assert len(llm["prompt_token_ids"]) == input_tokens

@@ -2,8 +2,8 @@
 
 The request bodies are what the clients sent (captured from openai-agents 0.24 and
 langchain-openai 1.7.4 with openai 3.57); the chat answers are vLLM 0.32's
-(tests/fixtures: ``vllm_chat_completion.json`` from the stack's vLLM, ``vllm_chat_tool_call.json``
-from a vLLM started with ``--tool-call-parser hermes``, named ``tool_choice``)."""
+(tests/fixtures: ``vllm_chat_completion.json``, and ``vllm_chat_tool_call.json``: a named
+``tool_choice`` with the stack's hermes tool-call parser and SmolLM2 tools template)."""
 from __future__ import annotations
 
 import json
@@ -170,11 +170,11 @@ def test_response_of_a_real_tool_call():
     out = R.response_object(AGENTS_TURN1, R.chat_request(AGENTS_TURN1), chat)
     assert (out["status"], out["incomplete_details"], out["parallel_tool_calls"], out["tool_choice"]) == (
         "completed", None, False, {"type": "function", "name": "get_weather"})
-    assert out["output"] == [{"type": "function_call", "id": "fc_8fff01bc982b6fe8_0",
-                              "call_id": "chatcmpl-tool-a6028be03acd541a", "name": "get_weather",
+    assert out["output"] == [{"type": "function_call", "id": "fc_a362b1845cece419_0",
+                              "call_id": "chatcmpl-tool-8a04c109ff04177f", "name": "get_weather",
                               "arguments": "{\"city\": \"Paris\"}", "status": "completed"}]
-    assert out["usage"]["input_tokens"] == 182 and out["usage"]["output_tokens"] == 32
-    assert Response.model_validate(out).output[0].call_id == "chatcmpl-tool-a6028be03acd541a"
+    assert out["usage"]["input_tokens"] == 196 and out["usage"]["output_tokens"] == 32
+    assert Response.model_validate(out).output[0].call_id == "chatcmpl-tool-8a04c109ff04177f"
 
 
 def test_output_items_text_and_calls():
