@@ -442,8 +442,8 @@ def test_proxy_rejects_bad_input(kafka_stack):
     msg = [{"role": "user", "content": "x"}]
     before = httpx.get(proxy + "/metrics").json()
     cases = [
-        ({"model": S.model_name, "messages": msg, "stream": True}, 400, "stream_not_supported"),
-        ({"model": S.model_name, "messages": msg, "n": 2}, 400, "n_not_supported"),
+        ({"model": S.model_name, "messages": msg, "n": 0}, 400, "invalid_request"),
+        ({"model": S.model_name, "messages": msg, "n": 2, "temperature": 0}, 400, "n_requires_sampling"),
         ({"model": "gpt-4", "messages": msg}, 404, "model_not_found"),
     ]
     for body, status, reason in cases:
