@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Iterable
+from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
