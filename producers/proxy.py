@@ -5,8 +5,11 @@
 An agent points its OpenAI client at the per-rollout base URL
 ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}/v1``. The proxy asks vLLM for
 token ids and log-probs of every call, records them (never re-tokenised) with the
-current policy version in a Span (source=proxy, kind=llm), waits for Kafka to
-acknowledge it, and only then returns vLLM's answer, minus what the client did not ask for.
+current policy version in a Span (source=proxy, kind=llm; one per choice when ``n`` > 1),
+waits for Kafka to acknowledge it, and only then returns vLLM's answer, minus what the client
+did not ask for. ``stream: true``: vLLM's events are forwarded as they arrive and the spans
+written after vLLM's last one; the client's ``data: [DONE]`` comes only after Kafka's ack, and
+a stream cut short is one dead letter (``producers/streaming.py``, producers/README.md).
 The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evaluation topics
 (``spans.eval``, ``dead-letter.eval``) instead: what ``spanrl eval`` and the release gate
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
@@ -193,6 +196,18 @@ def check_n(body: dict) -> int:
         raise BadRequest(400, "n_requires_sampling", f"n={n} needs temperature > 0: greedy sampling "
                          "gives one answer (vLLM refuses n > 1 with temperature 0)")
     return n
+
+
+def check_stream(body: dict) -> bool:
+    """Whether the call streams. Raises :class:`BadRequest` 400 ``invalid_request`` unless
+    ``stream`` is a boolean (or absent/null) and ``stream_options`` an object (or absent/null),
+    as the OpenAI API defines them (the proxy must know for sure whether it streams)."""
+    stream, opts = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(400, "invalid_request", f"stream must be a boolean, got {json.dumps(stream)[:40]}")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadRequest(400, "invalid_request", f"stream_options must be an object, got {json.dumps(opts)[:40]}")
+    return bool(stream)
 
 
 def parse_traceparent(header: str | None) -> tuple[str, str] | None:
@@ -402,6 +417,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                                      f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
                 body["temperature"] = temperature
             check_n(body)
+            streamed = check_stream(body)
         except BadRequest as exc:
             return error(exc.status, exc.reason, exc.detail)
         if body.get("model") != model_name:
@@ -412,7 +428,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
         ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
                           parse_traceparent(request.headers.get("traceparent")), time.time_ns())
-        if body.get("stream"):
+        if streamed:
             return await stream(ctx, path)
         try:
             upstream = await app.state.client.post(path, json=upstream_body(endpoint, body))

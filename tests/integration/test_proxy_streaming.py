@@ -259,7 +259,8 @@ def test_client_that_goes_away_is_one_dead_letter(proxy):
 
 def test_stream_without_kafka_never_says_done(proxy):
     """Kafka unreachable: the answer streams, but instead of [DONE] the stream ends with an
-    error event kafka_unavailable, which the OpenAI SDK raises."""
+    error event kafka_unavailable, which the OpenAI SDK raises (LangChain's stream and the
+    Agents SDK's run_streamed too)."""
     proc, url = start_service("producers.proxy", "--kafka-bootstrap", f"{S.host}:1", "--reloader-url", "",
                               env={"SPANRL_KAFKA_SEND_TIMEOUT_S": "1"})
     try:
@@ -269,6 +270,25 @@ def test_stream_without_kafka_never_says_done(proxy):
             for c in client.chat.completions.create(model=S.model_name, messages=SAY_HI, max_tokens=4, stream=True):
                 texts.append(c.choices[0].delta.content)
         assert "kafka" in str(err.value).lower() and texts
+        # libraries built on the SDK raise it too
+        from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner
+        from langchain_openai import ChatOpenAI
+
+        with pytest.raises(openai.APIError):
+            list(ChatOpenAI(base_url=f"{url}/rollouts/r/attempts/0/v1", api_key="unused", model=S.model_name,
+                            max_tokens=2, max_retries=0).stream("hi"))
+
+        async def agent_run():
+            aclient = openai.AsyncOpenAI(base_url=f"{url}/rollouts/r/attempts/0/v1", api_key="unused", max_retries=0)
+            agent = Agent(name="g", model=OpenAIChatCompletionsModel(model=S.model_name, openai_client=aclient))
+            result = Runner.run_streamed(agent, "hi", run_config=RunConfig(tracing_disabled=True), max_turns=1)
+            try:
+                async for _ in result.stream_events():
+                    pass
+            finally:
+                await aclient.close()
+        with pytest.raises(openai.APIError):
+            asyncio.run(agent_run())
         raw = httpx.post(f"{url}/rollouts/r/attempts/0/v1/chat/completions", timeout=30, json={
             "model": S.model_name, "messages": SAY_HI, "max_tokens": 2, "stream": True}).text
         assert "[DONE]" not in raw and '"type":"kafka_unavailable"' in raw

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from producers.proxy import (
-    BadRequest, MissingTokenIds, check_n, llm_call_from_response, span_attributes, strip_response,
+    BadRequest, MissingTokenIds, check_n, check_stream, llm_call_from_response, span_attributes, strip_response,
 )
 from producers.streaming import (
     CHAT, CLIENT_DISCONNECTED, COMPLETIONS, VLLM_STREAM_FAILED, RecordFailed, Relay, SseDecoder,
@@ -199,6 +199,17 @@ def test_check_n():
         with pytest.raises(BadRequest) as err:
             check_n(body)
         assert (err.value.status, err.value.reason) == (400, reason), body
+
+
+def test_check_stream():
+    assert [check_stream(b) for b in ({}, {"stream": None}, {"stream": False}, {"stream": True},
+                                      {"stream": True, "stream_options": {"include_usage": True}})] == [
+        False, False, False, True, True]
+    for body in ({"stream": "true"}, {"stream": 1}, {"stream": True, "stream_options": "usage"},
+                 {"stream": True, "stream_options": [True]}):
+        with pytest.raises(BadRequest) as err:
+            check_stream(body)
+        assert (err.value.status, err.value.reason) == (400, "invalid_request"), body
 
 
 def test_span_attributes_per_choice():
