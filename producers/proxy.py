@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 import uvicorn
@@ -496,9 +497,14 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             raise RecordFailed(503, "kafka_unavailable", str(exc)) from exc
         metrics["spans"] += len(items)
 
-    async def stream(ctx: CallContext, path: str) -> Response:
+    async def stream(ctx: CallContext, path: str, translate: Callable[[dict], bytes] | None = None,
+                     closing: Callable[[dict], bytes] | None = None,
+                     fail_event: Callable[[str, str, int], bytes] = streaming.error_event) -> Response:
         """``stream: true``: vLLM's events forwarded as they come (streaming.relay); the spans
-        written after vLLM's [DONE], and the client's [DONE] sent once Kafka acked them."""
+        written after vLLM's [DONE], and the client's [DONE] sent once Kafka acked them.
+        Another API served from vLLM's stream at ``path`` passes ``translate`` (vLLM chunk ->
+        the client's bytes), ``closing`` (assembled answer -> the bytes sent after the ack)
+        and ``fail_event``; ``ctx.body`` is then the body sent to vLLM."""
         client: httpx.AsyncClient = app.state.client
         body = streaming.upstream_stream_body(upstream_body(ctx.endpoint, ctx.body))
         try:
@@ -513,12 +519,14 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         metrics["streams"] += 1
 
         def forward(chunk: dict) -> bytes:
+            if translate is not None:
+                return translate(chunk)
             out = streaming.strip_chunk(ctx.body, chunk, lambda c: strip_response(ctx.endpoint, ctx.body, c))
             return b"" if out is None else streaming.sse_event(out)
 
         async def recorded(response: dict) -> bytes:
             await record(ctx, response)
-            return streaming.sse_event(streaming.DONE)
+            return closing(response) if closing is not None else streaming.sse_event(streaming.DONE)
 
         async def interrupted(reason: str, detail: str, partial: dict) -> None:
             span = base_span(ctx, None, partial, 0)
@@ -536,7 +544,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                 log.warning("vLLM lost mid-stream (%r): policy version unsynced until the reloader posts one", exc)
 
         relay = streaming.Relay(ctx.endpoint, upstream.aiter_lines(), forward, recorded, interrupted,
-                                upstream.aclose, lost)
+                                upstream.aclose, lost, fail_event)
         return streaming.EventStreamResponse(streaming.relay(relay, (httpx.TransportError,)),
                                              headers={"cache-control": "no-cache"})
 

@@ -273,7 +273,9 @@ class Relay:
     returns when Kafka acknowledged them (raises :class:`RecordFailed`), then the closing
     bytes are sent; ``interrupted(reason, detail, response)``: records a stream that ended
     early (one dead letter); ``close()``: closes the upstream response (vLLM aborts the
-    request when its client goes); ``lost(exc)``: told of a transport error mid-stream.
+    request when its client goes); ``lost(exc)``: told of a transport error mid-stream;
+    ``fail_event(reason, message, status)``: the bytes a failed stream ends with (default
+    :func:`error_event`, chat/completions' shape; another API passes its own).
     """
 
     endpoint: str
@@ -283,6 +285,7 @@ class Relay:
     interrupted: Callable[[str, str, dict], Awaitable[None]]
     close: Callable[[], Awaitable[None]]
     lost: Callable[[Exception], None] = lambda exc: None
+    fail_event: Callable[[str, str, int], bytes] = error_event
 
 
 async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()) -> AsyncIterator[bytes]:
@@ -311,7 +314,9 @@ async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()
                         break
                     chunk = json.loads(data)
                     if isinstance(chunk, dict) and chunk.get("error") is not None:
-                        yield sse_event(chunk)
+                        err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                        yield r.fail_event(str(err.get("type") or VLLM_STREAM_FAILED), str(err.get("message", "")),
+                                           int(err["code"]) if isinstance(err.get("code"), int) else 502)
                         await fail(f"vLLM sent an error after {acc.chunks} chunks: {data[:300]}")
                         return
                     acc.add(chunk)
@@ -322,29 +327,29 @@ async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()
                     break
         except transport_errors as exc:
             r.lost(exc)
-            yield error_event("vllm_unavailable", f"vLLM stream broke after {acc.chunks} chunks: {exc!r}", 503)
+            yield r.fail_event("vllm_unavailable", f"vLLM stream broke after {acc.chunks} chunks: {exc!r}", 503)
             await fail(f"transport error after {acc.chunks} chunks: {exc!r}")
             return
         except ValueError as exc:  # not JSON / not a chunk
-            yield error_event("vllm_stream_failed", f"vLLM sent a malformed chunk: {exc}", 502)
+            yield r.fail_event("vllm_stream_failed", f"vLLM sent a malformed chunk: {exc}", 502)
             await fail(f"malformed chunk after {acc.chunks} chunks: {exc}")
             return
         if not done:
-            yield error_event("vllm_stream_failed", f"vLLM closed the stream after {acc.chunks} chunks", 502)
+            yield r.fail_event("vllm_stream_failed", f"vLLM closed the stream after {acc.chunks} chunks", 502)
             await fail(f"stream closed without [DONE] after {acc.chunks} chunks")
             return
         with anyio.CancelScope(shield=True):
             try:
                 closing = await r.record(acc.response())
             except RecordFailed as exc:
-                closing = error_event(exc.reason, exc.detail, exc.status)
+                closing = r.fail_event(exc.reason, exc.detail, exc.status)
             settled = True
         yield closing
     except Exception as exc:  # noqa: BLE001 - a bug here must still settle the call
         log.exception("stream relay failed")
         if not settled:
             await fail(f"proxy error after {acc.chunks} chunks: {exc!r}", PROXY_STREAM_FAILED)
-        yield error_event(PROXY_STREAM_FAILED, "the proxy failed while streaming", 500)
+        yield r.fail_event(PROXY_STREAM_FAILED, "the proxy failed while streaming", 500)
     finally:
         with anyio.CancelScope(shield=True):
             if not settled:

@@ -321,7 +321,9 @@ def test_relay_cancelled_mid_stream_is_one_dead_letter():
 
 @pytest.mark.parametrize("lines,raise_at,last_type", [
     (stream_lines()[:-3], None, "vllm_stream_failed"),                                  # no [DONE]
-    (stream_lines()[:6] + ['data: {"error": {"message": "engine dead", "code": 500}}', ""], None, None),
+    (stream_lines()[:6] + ['data: {"error": {"message": "engine dead", "code": 500}}', ""], None, "vllm_stream_failed"),
+    (stream_lines()[:6] + ['data: {"error": {"message": "x", "type": "InternalServerError"}}', ""], None,
+     "InternalServerError"),
     (stream_lines(), 6, "vllm_unavailable"),                                            # transport error
     (stream_lines()[:4] + ["data: {not json", ""], None, "vllm_stream_failed"),
 ])
