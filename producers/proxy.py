@@ -525,7 +525,11 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return b"" if out is None else streaming.sse_event(out)
 
         async def recorded(response: dict) -> bytes:
-            await record(ctx, response)
+            try:
+                await record(ctx, response)
+            except RecordFailed as exc:  # the stream ends with its error event, no [DONE]
+                metrics[exc.reason] += 1
+                raise
             return closing(response) if closing is not None else streaming.sse_event(streaming.DONE)
 
         async def interrupted(reason: str, detail: str, partial: dict) -> None:
