@@ -241,7 +241,9 @@ def test_agents_sdk_run_streamed(proxy, tokenizer):
 
 def test_client_that_goes_away_is_one_dead_letter(proxy):
     """The client reads a few events and closes: no span, one dead letter client_disconnected
-    holding the tokens generated so far (a prefix of what the client was sent or more)."""
+    holding the tokens generated so far (what the client was sent, and maybe a few more). That
+    the client had tokens while vLLM was still generating (no finish reason, far below
+    max_tokens) also shows the proxy forwards as it goes, not after the whole answer."""
     rid = uuid.uuid4().hex
     sent: list[int] = []
     with httpx.stream("POST", base_url(proxy, rid) + "/chat/completions", timeout=30, json={
