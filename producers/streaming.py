@@ -294,7 +294,8 @@ async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()
     an ``error`` chunk from vLLM, a transport error (``transport_errors``), a malformed chunk or
     a stream that ends without ``[DONE]`` -> an error event and ``interrupted(VLLM_STREAM_FAILED)``;
     the client going away (cancellation / generator close) -> ``interrupted(CLIENT_DISCONNECTED)``.
-    Recording is shielded from cancellation, so a call is either recorded or dead-lettered."""
+    Recording is shielded from cancellation, so a call is either recorded or dead-lettered; a
+    failure is recorded before its event is sent, so a client leaving then does not change it."""
     acc = StreamAccumulator(r.endpoint)
     settled = False  # recorded, or its interruption recorded
 
@@ -315,9 +316,9 @@ async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()
                     chunk = json.loads(data)
                     if isinstance(chunk, dict) and chunk.get("error") is not None:
                         err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                        await fail(f"vLLM sent an error after {acc.chunks} chunks: {data[:300]}")
                         yield r.fail_event(str(err.get("type") or VLLM_STREAM_FAILED), str(err.get("message", "")),
                                            int(err["code"]) if isinstance(err.get("code"), int) else 502)
-                        await fail(f"vLLM sent an error after {acc.chunks} chunks: {data[:300]}")
                         return
                     acc.add(chunk)
                     out = r.forward(chunk)
@@ -327,16 +328,16 @@ async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()
                     break
         except transport_errors as exc:
             r.lost(exc)
-            yield r.fail_event("vllm_unavailable", f"vLLM stream broke after {acc.chunks} chunks: {exc!r}", 503)
             await fail(f"transport error after {acc.chunks} chunks: {exc!r}")
+            yield r.fail_event("vllm_unavailable", f"vLLM stream broke after {acc.chunks} chunks: {exc!r}", 503)
             return
         except ValueError as exc:  # not JSON / not a chunk
-            yield r.fail_event("vllm_stream_failed", f"vLLM sent a malformed chunk: {exc}", 502)
             await fail(f"malformed chunk after {acc.chunks} chunks: {exc}")
+            yield r.fail_event("vllm_stream_failed", f"vLLM sent a malformed chunk: {exc}", 502)
             return
         if not done:
-            yield r.fail_event("vllm_stream_failed", f"vLLM closed the stream after {acc.chunks} chunks", 502)
             await fail(f"stream closed without [DONE] after {acc.chunks} chunks")
+            yield r.fail_event("vllm_stream_failed", f"vLLM closed the stream after {acc.chunks} chunks", 502)
             return
         with anyio.CancelScope(shield=True):
             try:

@@ -335,3 +335,10 @@ def test_relay_vllm_failure_mid_stream(lines, raise_at, last_type):
     assert up.recorded == [] and up.closed == 1
     assert [r for r, _ in up.interrupted] == [VLLM_STREAM_FAILED]
     assert len(up.lost) == (1 if raise_at else 0)
+
+
+def test_relay_failure_is_recorded_before_the_client_can_leave():
+    up = Upstream(stream_lines()[:6] + ['data: {"error": {"message": "engine dead", "code": 500}}', ""])
+    out = collect(up, take=4)  # the client closes on the error event
+    assert json.loads(out[-1][6:])["error"]["code"] == 500
+    assert [r for r, _ in up.interrupted] == [VLLM_STREAM_FAILED] and up.closed == 1
