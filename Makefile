@@ -13,21 +13,21 @@ bootstrap:
 ## AGENT=math (default: the one whose learning was measured) | sql | rag.
 AGENT ?= math
 demo: bootstrap
-	$(PY) -m infra.cli demo --agent $(AGENT) $(ARGS)
+	$(PY) -m spanrl.infra.cli demo --agent $(AGENT) $(ARGS)
 
 ## Unit + integration tests against the real local stack (what .ci/run calls).
 test: bootstrap
-	$(PY) -m infra.cli test $(ARGS)
+	$(PY) -m spanrl.infra.cli test $(ARGS)
 
 test-unit: bootstrap
 	$(PY) -m pytest tests/unit -q
 
 up: bootstrap
-	$(PY) -m infra.cli stack up
+	$(PY) -m spanrl.infra.cli stack up
 down:
-	$(PY) -m infra.cli stack down
+	$(PY) -m spanrl.infra.cli stack down
 status:
-	$(PY) -m infra.cli stack status
+	$(PY) -m spanrl.infra.cli stack status
 
 ## Benchmarks side by side with Agent Lightning (needs `make up`); writes bench/results/latest.json.
 bench: bootstrap
@@ -35,4 +35,4 @@ bench: bootstrap
 
 ## Fault injection: SIGKILL each component mid-run, prove nothing lost or duplicated (results/chaos.json).
 chaos: bootstrap
-	$(PY) -m infra.cli chaos $(ARGS)
+	$(PY) -m spanrl.infra.cli chaos $(ARGS)

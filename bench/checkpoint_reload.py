@@ -3,10 +3,10 @@
     python -m bench.checkpoint_reload [--vllm-url http://127.0.0.1:PORT] [--allow-stack-vllm]
 
 Steps, each timed, with the trainer's and reloader's own functions:
-  write    trainer.train.save_checkpoint (safetensors + config + tokenizer + sha256 manifest)
-  publish  trainer.checkpoint.upload_checkpoint to MinIO (manifest last) = the moment it is published
-  fetch    trainer.checkpoint.download_checkpoint (download + verify every sha256), as the reloader does
-  reload   trainer.reloader.reload_vllm (pause, reload_weights, reset prefix cache, resume) - only with
+  write    spanrl.trainer.train.save_checkpoint (safetensors + config + tokenizer + sha256 manifest)
+  publish  spanrl.trainer.checkpoint.upload_checkpoint to MinIO (manifest last) = the moment it is published
+  fetch    spanrl.trainer.checkpoint.download_checkpoint (download + verify every sha256), as the reloader does
+  reload   spanrl.trainer.reloader.reload_vllm (pause, reload_weights, reset prefix cache, resume) - only with
            --vllm-url; the stack's own vLLM is refused unless --allow-stack-vllm (a reload pauses it).
 published -> serving = fetch + reload. Objects go to a private run name (bench-<id>) and are removed.
 The proxy is not told about the version (the stack's proxy must not see bench versions).
@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def measure(vllm_url: str | None) -> dict:
-    from infra.settings import get_settings
-    from trainer import checkpoint
-    from trainer.train import load_model, save_checkpoint
+    from spanrl.infra.settings import get_settings
+    from spanrl.trainer import checkpoint
+    from spanrl.trainer.train import load_model, save_checkpoint
 
     s = get_settings()
     run = f"bench-{uuid.uuid4().hex[:8]}"
@@ -53,7 +53,7 @@ def measure(vllm_url: str | None) -> dict:
         checkpoint.download_checkpoint(client, uri, tmp / "r")
         out["fetch_verify_s"] = time.perf_counter() - t
         if vllm_url:
-            from trainer.reloader import reload_vllm
+            from spanrl.trainer.reloader import reload_vllm
 
             t = time.perf_counter()
             asyncio.run(reload_vllm(vllm_url, tmp / "r"))
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--allow-stack-vllm", action="store_true")
     a = ap.parse_args(argv)
     if a.vllm_url:
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         if a.vllm_url.rstrip("/") == get_settings().vllm_url and not a.allow_stack_vllm:
             sys.exit(f"{a.vllm_url} is the stack's vLLM; a reload pauses it. Pass --allow-stack-vllm to do it anyway.")

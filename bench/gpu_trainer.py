@@ -5,7 +5,7 @@ Prepared for the `device` machine (one GPU, torch's CUDA build installed there):
     python -m bench.gpu_trainer [--updates 6 --samples 64 --prompt 512 --completion 128 --micro-batch 16] \
         > bench/results/gpu_trainer.json
 
-Same code path as bench.trainer_bench (trainer.train.build_engine -> DeepSpeed ZeRO-2, bf16,
+Same code path as bench.trainer_bench (spanrl.trainer.train.build_engine -> DeepSpeed ZeRO-2, bf16,
 FusedAdam; train_update), bigger defaults. Refuses to run without CUDA. Copy the printed
 JSON's figures into BENCHMARKS.md (row "trainer, GPU").
 """

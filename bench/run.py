@@ -29,7 +29,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from infra.stack import stop_process_group as stop
+from spanrl.infra.stack import stop_process_group as stop
 from bench.workload import (Shape, export_ok, exporter, proc_cpu_s, proc_peak_rss_mb, reward_of,
                             rollout_spans)
 
@@ -96,7 +96,7 @@ def machine_info() -> dict:
 
 class SpanrlSide:
     def __init__(self, args, shape: Shape):
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         self.a, self.shape = args, shape
         self.bootstrap = get_settings().kafka_bootstrap
@@ -114,8 +114,8 @@ class SpanrlSide:
     async def create_topics(self) -> None:
         import dataclasses
 
-        from producers.kafka import create_topics
-        from schemas import topics as T
+        from spanrl.producers.kafka import create_topics
+        from spanrl.schemas import topics as T
 
         base = {"spans": T.SPANS, "rewards": T.REWARDS, "rollouts": T.ROLLOUTS, "tasks": T.TASKS,
                 "dead-letter": T.DEAD_LETTER, "transitions": T.TRANSITIONS, "samples": T.SAMPLES}
@@ -139,7 +139,7 @@ class SpanrlSide:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.bridge_port, self.web_port = free_port(), free_port()
         self.bridge = subprocess.Popen(
-            [sys.executable, "-m", "producers.bridge", "--port", str(self.bridge_port), "--topic-prefix", self.prefix],
+            [sys.executable, "-m", "spanrl.producers.bridge", "--port", str(self.bridge_port), "--topic-prefix", self.prefix],
             cwd=REPO, env=env, stdout=open(self.workdir / "bridge.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
         wenv = {**env, "SPANRL_STREAM_APP_ID": self.app_id, "SPANRL_FAUST_WEB_PORT": str(self.web_port),
@@ -148,13 +148,13 @@ class SpanrlSide:
                 "SPANRL_TRANSITIONS_TOPIC": self.names["transitions"],
                 "SPANRL_SAMPLES_TOPIC": self.names["samples"], "SPANRL_DEAD_LETTER_TOPIC": self.names["dead-letter"],
                 "SPANRL_SETTLE_S": str(self.a.settle_s)}
-        # None: the worker's own defaults (stream_jobs.app.StreamConfig)
+        # None: the worker's own defaults (spanrl.stream_jobs.app.StreamConfig)
         for var, value in (("SPANRL_STREAM_TICK_S", self.a.tick_s),
                            ("SPANRL_STREAM_COMMIT_INTERVAL_S", self.a.commit_interval_s)):
             if value is not None:
                 wenv[var] = str(value)
         # cwd: Faust writes <app_id>-data into the working directory
-        self.worker = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "warn"],
+        self.worker = subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "warn"],
                                        cwd=self.workdir, env=wenv, stdout=open(self.workdir / "worker.log", "wb"),
                                        stderr=subprocess.STDOUT, start_new_session=True)
         wait_http(f"http://127.0.0.1:{self.bridge_port}/health", 60, self.bridge)
@@ -173,7 +173,7 @@ class SpanrlSide:
     async def consume(self, stop_evt: asyncio.Event) -> None:
         from aiokafka import AIOKafkaConsumer
 
-        from schemas import codec
+        from spanrl.schemas import codec
 
         c = AIOKafkaConsumer(self.names["transitions"], bootstrap_servers=self.bootstrap, group_id=None,
                              auto_offset_reset="earliest", isolation_level="read_committed")
@@ -205,7 +205,7 @@ class SpanrlSide:
         return time.perf_counter()
 
     def lifecycle(self, rid: str, task: str, status: str) -> tuple[str, bytes, bytes]:
-        from schemas import codec
+        from spanrl.schemas import codec
 
         return (self.names["rollouts"], rid.encode(), codec.encode("rollout", {
             "rollout_id": rid, "attempt_id": "0", "task_id": task, "status": status, "group_size": 4,
@@ -346,7 +346,7 @@ class SpanrlSide:
 
 def agl_venv(a) -> Path:
     """Agent Lightning's own venv under the data root, created once (stamp file)."""
-    from infra.settings import get_settings
+    from spanrl.infra.settings import get_settings
 
     root = get_settings().cache_dir / "bench"
     venv = root / "agl-venv"

@@ -2,7 +2,7 @@
 
     python -m bench.trainer_bench [--updates 2] [--samples 8] [--prompt 200] [--completion 100]
 
-Uses the trainer's own code (trainer.train.load_model / build_engine / train_update: DeepSpeed
+Uses the trainer's own code (spanrl.trainer.train.load_model / build_engine / train_update: DeepSpeed
 ZeRO-2; fp32 + DeepSpeedCPUAdam on CPU, bf16 + FusedAdam on GPU) on synthetic GRPO samples.
 The first update is a warm-up and is reported separately; the figure is the median of the rest.
 Prints one JSON line. bench/gpu_trainer.py runs the same on a GPU with larger defaults.
@@ -36,8 +36,8 @@ def samples(n: int, prompt: int, completion: int, seed: int = 0) -> list[dict]:
 def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int) -> dict:
     import torch
 
-    from infra.settings import get_settings
-    from trainer.train import build_engine, load_model, train_update
+    from spanrl.infra.settings import get_settings
+    from spanrl.trainer.train import build_engine, load_model, train_update
 
     t0 = time.perf_counter()
     model = load_model(get_settings().model_dir)

@@ -77,5 +77,5 @@ fi
 
 # --- Base model ------------------------------------------------------------------
 log "Base model (SmolLM2-135M-Instruct safetensors)"
-(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m infra.model)
+(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.infra.model)
 log "ready"

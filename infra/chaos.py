@@ -34,16 +34,16 @@ from typing import Callable
 
 import httpx
 
-from infra import ledger
-from infra.chaos_workload import AckLog
-from infra.replay import end_offsets, read_records
-from infra.settings import Settings, get_settings
-from infra.stack import ROOT, Stack, stop_process_group
-from producers.kafka import Topics, create_topics
-from producers.runner import publish_tasks
-from schemas import codec
-from schemas import topics as T
-from trainer import checkpoint
+from spanrl.infra import ledger
+from spanrl.infra.chaos_workload import AckLog
+from spanrl.infra.replay import end_offsets, read_records
+from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.stack import ROOT, Stack, stop_process_group
+from spanrl.producers.kafka import Topics, create_topics
+from spanrl.producers.runner import publish_tasks
+from spanrl.schemas import codec
+from spanrl.schemas import topics as T
+from spanrl.trainer import checkpoint
 
 #: fault name -> stack component it kills ("runner" is the workload's own process)
 FAULTS: dict[str, str] = {
@@ -136,7 +136,7 @@ async def snapshot(s: Settings, task_ids: set[str], start: dict[str, dict[int, i
 
 # ------------------------------------------------------------------------- processes
 class RunnerProcess:
-    """The workload's runner (python -m infra.chaos_workload) in its own process group."""
+    """The workload's runner (python -m spanrl.infra.chaos_workload) in its own process group."""
 
     def __init__(self, stack: Stack, tasks_topic: str, ack_log: Path, cfg: ChaosConfig):
         self.stack, self.tasks_topic, self.ack_log, self.cfg = stack, tasks_topic, ack_log, cfg
@@ -145,7 +145,7 @@ class RunnerProcess:
     def start(self) -> None:
         log = open(self.stack.logs / "chaos-runner.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.chaos_workload", "--tasks-topic", self.tasks_topic,
+            [sys.executable, "-m", "spanrl.infra.chaos_workload", "--tasks-topic", self.tasks_topic,
              "--ack-log", str(self.ack_log), "--calls", str(self.cfg.calls), "--pace", str(self.cfg.pace_s),
              "--concurrency", str(self.cfg.concurrency)],
             cwd=ROOT, env={**os.environ, **self.stack.service_env()}, stdout=log, stderr=subprocess.STDOUT,
@@ -231,7 +231,7 @@ def manifests(s: Settings, run: str) -> list[dict]:
 
 def trainer_problems(s: Settings, run: str, ms: list[dict]) -> list[str]:
     """Gaps/overlaps in the run's checkpoint chain, from its start marker on
-    (trainer.checkpoint.check_offset_chain over every manifest's consumed_offsets)."""
+    (spanrl.trainer.checkpoint.check_offset_chain over every manifest's consumed_offsets)."""
     missing = [f"v{m['version']}: manifest unreadable ({m['missing']})" for m in ms if "missing" in m]
     marker = checkpoint.read_start_marker(checkpoint.make_client(s), s.checkpoint_bucket, run)
     return missing + checkpoint.check_offset_chain([m for m in ms if "missing" not in m],

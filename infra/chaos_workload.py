@@ -1,10 +1,10 @@
 """The chaos run's agent and runner process: a workload of known size and known rewards.
 
-    python -m infra.chaos_workload --tasks-topic T --ack-log F [--calls 3] [--pace 0.5]
+    python -m spanrl.infra.chaos_workload --tasks-topic T --ack-log F [--calls 3] [--pace 0.5]
 
-A :class:`producers.runner.Runner` consumes the run's own tasks topic; each attempt makes
+A :class:`spanrl.producers.runner.Runner` consumes the run's own tasks topic; each attempt makes
 ``calls`` chat completions through the LLM proxy (real vLLM behind it), then sends one
-OTLP tool span and its final reward (:func:`infra.ledger.known_reward` of its rollout id)
+OTLP tool span and its final reward (:func:`spanrl.infra.ledger.known_reward` of its rollout id)
 to the OTLP bridge over HTTP. Every 2xx answer is appended to ``ack_log`` (JSON lines)
 before the next step: that log is what the client was promised, and the ledger checks
 each entry is in Kafka. The process exits after ``idle_s`` without a new task.
@@ -25,12 +25,12 @@ import openai
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from infra.ledger import known_reward
-from infra.settings import get_settings
-from producers.edge import bearer_headers
-from producers.kafka import Topics
-from producers.runner import RolloutContext, Runner
-from schemas import topics as T
+from spanrl.infra.ledger import known_reward
+from spanrl.infra.settings import get_settings
+from spanrl.producers.edge import bearer_headers
+from spanrl.producers.kafka import Topics
+from spanrl.producers.runner import RolloutContext, Runner
+from spanrl.schemas import topics as T
 
 #: how long a client keeps retrying the bridge (503 / connection refused) before giving up
 BRIDGE_DEADLINE_S = 120.0

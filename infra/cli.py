@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infra.stack import Stack, StackError
+from spanrl.infra.stack import Stack, StackError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 stack_app = typer.Typer(no_args_is_help=True, help="Start, inspect and stop the local stack.")
@@ -74,7 +74,7 @@ def _fresh_run(prefix: str) -> Stack:
     import os
     import time
 
-    from infra.settings import get_settings
+    from spanrl.infra.settings import get_settings
 
     if not Stack().running("trainer"):
         os.environ.setdefault("SPANRL_RUN", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
@@ -94,9 +94,9 @@ def _up_or_exit(stack: Stack) -> None:
 
 def _check_free_space(command: str) -> None:
     """Exit 1 with a clear message when the cache or state directory's drive has less free
-    space than ``command`` needs (infra.storage.NEEDED_FREE)."""
-    from infra.settings import get_settings
-    from infra.storage import NEEDED_FREE, free_space_problem
+    space than ``command`` needs (spanrl.infra.storage.NEEDED_FREE)."""
+    from spanrl.infra.settings import get_settings
+    from spanrl.infra.storage import NEEDED_FREE, free_space_problem
 
     s = get_settings()
     problem = free_space_problem([s.cache_dir, Stack(s).state], NEEDED_FREE[command])
@@ -108,7 +108,7 @@ def _check_free_space(command: str) -> None:
 def _storage_client(s):
     """A MinIO client when MinIO is up (started here if it is not: returns (client,
     started))."""
-    from trainer import checkpoint
+    from spanrl.trainer import checkpoint
 
     stack = Stack(s)
     started = False
@@ -129,7 +129,7 @@ def test(
     import subprocess
     import sys
 
-    from trainer import checkpoint
+    from spanrl.trainer import checkpoint
 
     _check_free_space("test")
     stack = _fresh_run("test")
@@ -160,9 +160,9 @@ def calls(
     excluded, from the call-accounts topic; then the counts per agent."""
     import asyncio
 
-    from infra.replay import agent_counts, read_topic
-    from infra.settings import get_settings
-    from schemas import topics as T
+    from spanrl.infra.replay import agent_counts, read_topic
+    from spanrl.infra.settings import get_settings
+    from spanrl.schemas import topics as T
 
     s = get_settings()
     accounts = asyncio.run(read_topic(s.kafka_bootstrap, T.derived(T.CALL_ACCOUNTS, topic.split(".", 1)[1])
@@ -188,9 +188,9 @@ def runs() -> None:
     """Runs that have checkpoints in MinIO or local copies, with sizes, and the free space."""
     import shutil
 
-    from infra.settings import get_settings
-    from infra.storage import GIB
-    from trainer import checkpoint
+    from spanrl.infra.settings import get_settings
+    from spanrl.infra.storage import GIB
+    from spanrl.trainer import checkpoint
 
     s = get_settings()
     client, started = _storage_client(s)
@@ -220,9 +220,9 @@ def clean(
     """Delete the checkpoints of the matching runs: MinIO objects (weights, manifests, start
     marker, gate records) and local copies. Never the run the running stack trains and
     serves. Kafka records stay."""
-    from infra.settings import get_settings
-    from infra.storage import GIB, select_runs
-    from trainer import checkpoint
+    from spanrl.infra.settings import get_settings
+    from spanrl.infra.storage import GIB, select_runs
+    from spanrl.trainer import checkpoint
 
     s = get_settings()
     protect = {s.run} if Stack(s).running("trainer") or Stack(s).running("reloader") else set()
@@ -322,7 +322,7 @@ def eval_cmd(
     JSON + PNG with 95% intervals and paired differences."""
     from pathlib import Path
 
-    from infra.evaluation import EvalConfig, EvalError, evaluate
+    from spanrl.infra.evaluation import EvalConfig, EvalError, evaluate
 
     if agent is None:
         from examples.agents import agent_spec
@@ -361,7 +361,7 @@ def replay(
     import json
     from datetime import datetime, timezone
 
-    from infra.replay import ReplayConfig, replay as run_replay
+    from spanrl.infra.replay import ReplayConfig, replay as run_replay
 
     since_ms = None
     if since:
@@ -391,7 +391,7 @@ def chaos(
     duplicated."""
     from pathlib import Path
 
-    from infra.chaos import FAULTS, ChaosConfig, run_chaos
+    from spanrl.infra.chaos import FAULTS, ChaosConfig, run_chaos
 
     names = tuple(_names(faults) or FAULTS)
     unknown = [n for n in names if n not in FAULTS]

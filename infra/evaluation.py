@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import httpx
 
-from infra import intervals
-from infra.settings import Settings, get_settings
-from schemas import topics as T
+from spanrl.infra import intervals
+from spanrl.infra.settings import Settings, get_settings
+from spanrl.schemas import topics as T
 
 SUCCESS_COMPONENT = "correct"
 FORMAT_COMPONENT = "format"
@@ -159,7 +159,7 @@ def _reloader(s: Settings) -> str:
 
 
 def _post(url: str, body: dict, s: Settings, timeout: float = 900.0) -> dict:
-    from producers.edge import bearer_headers
+    from spanrl.producers.edge import bearer_headers
 
     try:
         r = httpx.post(url, json=body, timeout=timeout, headers=bearer_headers(s.auth_token))
@@ -192,7 +192,7 @@ async def read_since(s: Settings, start: dict) -> dict[str, list[dict]]:
     the current end (read_committed), decoded, by topic name."""
     from aiokafka import AIOKafkaConsumer
 
-    from schemas.codec import decode
+    from spanrl.schemas.codec import decode
 
     out: dict[str, list[dict]] = {tp.topic: [] for tp in start}
     c = AIOKafkaConsumer(bootstrap_servers=s.kafka_bootstrap, isolation_level="read_committed",
@@ -215,7 +215,7 @@ async def read_since(s: Settings, start: dict) -> dict[str, list[dict]]:
 
 
 def episodes_from_records(records: dict[str, list[dict]], attempts: list, eval_topics) -> list[Episode]:
-    """Join the runner's attempts (producers.runner.AttemptResult) with what the evaluation
+    """Join the runner's attempts (spanrl.producers.runner.AttemptResult) with what the evaluation
     topics hold: final reward + components (rewards.eval), LLM calls (spans.eval: the proxy's
     records, kind llm; the agent framework's own spans of the same calls are not counted)."""
     rewards = {r["rollout_id"]: r for r in records.get(eval_topics.rewards.name, []) if r["final"]}
@@ -236,9 +236,9 @@ def episodes_from_records(records: dict[str, list[dict]], attempts: list, eval_t
 async def run_policy_episodes(cfg: EvalConfig, s: Settings, tasks: list[dict], on_done=None) -> list[Episode]:
     """Run every task ``cfg.samples`` times with the evaluation runner and read the
     episodes back from the evaluation topics. ``on_done()`` after each attempt."""
-    from infra.replay import topics_end_offsets
-    from producers.kafka import Topics
-    from producers.runner import Runner, make_task
+    from spanrl.infra.replay import topics_end_offsets
+    from spanrl.producers.kafka import Topics
+    from spanrl.producers.runner import Runner, make_task
 
     eval_topics = Topics.evaluation()
     start = await topics_end_offsets(s, [eval_topics.spans, eval_topics.rewards])

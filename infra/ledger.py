@@ -3,7 +3,7 @@ is dead-lettered with a reason; every transition is in exactly one GRPO sample o
 grouper dead letter; advantages equal a recomputation from the stored returns.
 
 Pure functions over decoded records (dicts as schemas/avro/*.avsc define them), so the
-accounting is unit-tested with exact values; ``infra.chaos`` feeds it what it read back
+accounting is unit-tested with exact values; ``spanrl.infra.chaos`` feeds it what it read back
 from Kafka (read_committed) after a fault. Keys:
 
 - a call / transition is ``(rollout_id, attempt_id, span_id)``;
@@ -19,8 +19,8 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from stream_jobs import dead_letters as dl
-from stream_jobs.credit import grpo_advantages
+from spanrl.stream_jobs import dead_letters as dl
+from spanrl.stream_jobs.credit import grpo_advantages
 
 #: assembler reasons that end a whole attempt (all its calls are dead-lettered with it)
 ATTEMPT_REASONS = frozenset({
@@ -182,7 +182,7 @@ def account(*, calls: list[dict], events: list[dict], transitions: list[dict], s
 
 def advantage_mismatches(samples: list[dict], eps: float = 1e-6, acc: Account | None = None) -> int:
     """Samples whose advantage differs (abs 1e-9) from GRPO recomputed over their group
-    (one return per member rollout attempt; stream_jobs.credit.grpo_advantages)."""
+    (one return per member rollout attempt; spanrl.stream_jobs.credit.grpo_advantages)."""
     groups: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
     for s in samples:
         t = s["transition"]

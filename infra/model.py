@@ -68,6 +68,6 @@ def convert_smollm2(out_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    from infra.settings import get_settings
+    from spanrl.infra.settings import get_settings
 
     print(convert_smollm2(get_settings().model_dir))

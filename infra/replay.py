@@ -22,10 +22,10 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from infra.settings import Settings, get_settings
-from infra.stack import ROOT, ensure_topics, stop_process_group
-from schemas import decode
-from schemas import topics as T
+from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.stack import ROOT, ensure_topics, stop_process_group
+from spanrl.schemas import decode
+from spanrl.schemas import topics as T
 
 INPUTS = (T.SPANS, T.REWARDS, T.ROLLOUTS)
 
@@ -33,7 +33,7 @@ INPUTS = (T.SPANS, T.REWARDS, T.ROLLOUTS)
 @dataclass
 class ReplayConfig:
     """suffix: names the output topics and the replay's app id; credit_rule: see
-    stream_jobs.credit.parse_credit_rule; since_ms: replay from this time (None: from the
+    spanrl.stream_jobs.credit.parse_credit_rule; since_ms: replay from this time (None: from the
     beginning); train_from: ``RUN:VERSION`` checkpoint to train a new run from (None: no
     training); train_updates: updates of that training; train_agents: whose calls become
     transitions (``SPANRL_TRAIN_AGENTS`` syntax: names or ``re:EXPR``; None: every call), so
@@ -185,7 +185,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     Raises RuntimeError if the replay worker exits or does not catch up in ``timeout_s``.
     """
     s = settings or get_settings()
-    from stream_jobs.assembly import parse_train_agents
+    from spanrl.stream_jobs.assembly import parse_train_agents
 
     parse_train_agents(cfg.train_agents)  # ValueError before anything starts
     transitions, samples, dead, accounts = output_topics(cfg.suffix)
@@ -205,7 +205,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     log_path = state / "logs" / f"replay-{cfg.suffix}.log"
     t0 = time.monotonic()
     with open(log_path, "ab") as out:
-        worker = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+        worker = subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + cfg.timeout_s
@@ -246,7 +246,7 @@ def train_replayed(cfg: ReplayConfig, samples_topic: str, s: Settings, log=print
     log(f"training run {run} from {cfg.train_from} on {samples_topic}")
     state = (ROOT / s.state_dir).resolve()
     with open(state / "logs" / f"trainer-{run}.log", "ab") as out:
-        rc = subprocess.call([sys.executable, "-m", "trainer.train"], cwd=ROOT, env=env, stdout=out,
+        rc = subprocess.call([sys.executable, "-m", "spanrl.trainer.train"], cwd=ROOT, env=env, stdout=out,
                              stderr=subprocess.STDOUT, timeout=cfg.timeout_s)
     if rc != 0:
         raise RuntimeError(f"replay training exited {rc}; see {state / 'logs' / f'trainer-{run}.log'}")

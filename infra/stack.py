@@ -4,7 +4,7 @@ Each component is a process started with its log in ``<state_dir>/logs/<name>.lo
 and its pid in ``<state_dir>/pids/<name>.pid``; each has a health check. ``up`` starts
 them in dependency order and waits for health; ``down`` stops them in reverse order
 (SIGTERM to the process group, SIGKILL after a grace period). Everything binds to
-``settings.host`` (loopback by default). Topics are created from ``schemas.topics``.
+``settings.host`` (loopback by default). Topics are created from ``spanrl.schemas.topics``.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Callable
 
 import httpx
 
-from infra.settings import Settings, get_settings
-from schemas import topics as T
+from spanrl.infra.settings import Settings, get_settings
+from spanrl.schemas import topics as T
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ class Stack:
             ),
             Component(
                 "vllm",
-                py + ["infra.vllm_server", "--model", str(s.model_dir),
+                py + ["spanrl.infra.vllm_server", "--model", str(s.model_dir),
                       "--served-model-name", s.model_name, "--host", s.host,
                       "--port", str(s.vllm_port), "--dtype", "float32", "--enforce-eager",
                       "--max-model-len", "2048", "--disable-uvicorn-access-log"],
@@ -131,23 +131,23 @@ class Stack:
                 health=lambda: _http_ok(f"{s.vllm_url}/health"),
                 start_timeout_s=300,
             ),
-            Component("bridge", py + ["producers.bridge"],
+            Component("bridge", py + ["spanrl.producers.bridge"],
                       health=lambda: _http_ok(f"{s.bridge_url}/health")),
-            Component("proxy", py + ["producers.proxy"],
+            Component("proxy", py + ["spanrl.producers.proxy"],
                       health=lambda: _http_ok(f"{s.proxy_url}/health")),
-            Component("stream", py + ["stream_jobs.app", "worker", "-l", "info",
+            Component("stream", py + ["spanrl.stream_jobs.app", "worker", "-l", "info",
                                       "--web-host", s.host, "--web-port", str(s.faust_web_port)],
                       # ready = partitions assigned and tables recovered, not just the web server up
                       health=lambda: _http_ok(f"http://{s.host}:{s.faust_web_port}/spanrl/health/"),
                       start_timeout_s=120),
-            Component("trainer", py + ["trainer.train"],
+            Component("trainer", py + ["spanrl.trainer.train"],
                       env={"OMP_NUM_THREADS": os.environ.get("SPANRL_TRAINER_THREADS", "2"),
                            # a new run trains on samples produced from now on, not on the
                            # samples of earlier runs kept in the topic
                            "SPANRL_TRAINER_START": os.environ.get("SPANRL_TRAINER_START", "latest")},
                       health=lambda: _http_ok(f"http://{s.host}:{s.trainer_port}/health"),
                       start_timeout_s=300),
-            Component("reloader", py + ["trainer.reloader"],
+            Component("reloader", py + ["spanrl.trainer.reloader"],
                       health=lambda: _http_ok(f"http://{s.host}:{s.reloader_port}/health")),
         ]
         return {c.name: c for c in comps}
@@ -189,7 +189,7 @@ class Stack:
             )
 
     def create_topics(self, extra: tuple[T.Topic, ...] = ()) -> None:
-        """Create every topic of ``schemas.topics.ALL`` (plus ``extra``) that is missing."""
+        """Create every topic of ``spanrl.schemas.topics.ALL`` (plus ``extra``) that is missing."""
         asyncio.run(ensure_topics(self.s.kafka_bootstrap, T.ALL + tuple(extra)))
 
     def create_buckets(self) -> None:
@@ -336,6 +336,6 @@ def _kafka_cluster_id() -> str:
 
 async def ensure_topics(bootstrap: str, wanted: tuple[T.Topic, ...]) -> None:
     """Create the topics of ``wanted`` that do not exist yet (Kafka CreateTopics API)."""
-    from producers.kafka import create_topics
+    from spanrl.producers.kafka import create_topics
 
     await create_topics(bootstrap, wanted)

@@ -2,7 +2,7 @@
 
 vLLM's CPU backend starts worker processes with ``spawn``, which re-imports the main
 module: the server must therefore be started behind an ``if __name__ == "__main__"``
-guard. The stack runs ``python -m infra.vllm_server <vllm args>``; the arguments are
+guard. The stack runs ``python -m spanrl.infra.vllm_server <vllm args>``; the arguments are
 those of ``vllm.entrypoints.openai.api_server`` (vLLM docs, "OpenAI-Compatible Server").
 """
 from __future__ import annotations

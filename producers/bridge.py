@@ -1,6 +1,6 @@
 """OTLP/HTTP receiver: agent spans in, Avro Span/Reward/DeadLetter records to Kafka out.
 
-    python -m producers.bridge [--port P] [--topic-prefix X] [--max-body-bytes N]
+    python -m spanrl.producers.bridge [--port P] [--topic-prefix X] [--max-body-bytes N]
 
 Promise: a client that got a 2xx finds its spans in Kafka (we answer only after the
 broker acknowledged every record). Spans that cannot be used go to dead-letter with a
@@ -27,10 +27,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from pydantic import BaseModel, Field, SecretStr
 
-from producers import claims, edge
-from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
-from producers.otlp import Converted, OtlpError, convert_request, decode_request
-from schemas import codec
+from spanrl.producers import claims, edge
+from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
+from spanrl.producers.otlp import Converted, OtlpError, convert_request, decode_request
+from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.bridge")
 PROTOBUF = "application/x-protobuf"
@@ -99,7 +99,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
     eval_topics = eval_topics or Topics.evaluation()
     inflight = InflightBuffer(max_inflight_bytes)
     if payload_bucket is None:
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         payload_bucket = get_settings().payload_bucket
     claim_client = claim_client or claims.make_client()
@@ -232,7 +232,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
 
 
 def main(argv: list[str] | None = None) -> None:
-    from infra.settings import get_settings
+    from spanrl.infra.settings import get_settings
 
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from schemas import codec
-from schemas.topics import Topic
+from spanrl.schemas import codec
+from spanrl.schemas.topics import Topic
 
 #: kept free below a topic's max.message.bytes: the record's key and batch framing, and
 #: a dead letter that carries the record as its payload (dead-letter has the same limit)
@@ -117,11 +117,11 @@ def check_claimed(small: dict, full: dict) -> dict:
 
 # ---------------------------------------------------------------- MinIO plumbing
 def make_client(settings=None):
-    """A minio client for ``settings`` (infra.settings.Settings; default: get_settings())."""
+    """A minio client for ``settings`` (spanrl.infra.settings.Settings; default: get_settings())."""
     from minio import Minio
 
     if settings is None:
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         settings = get_settings()
     return Minio(settings.minio_endpoint, access_key=settings.minio_access_key,

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from pydantic import SecretStr
 
-from producers.edge import bearer_headers
+from spanrl.producers.edge import bearer_headers
 
 # spanrl attribute keys (the bridge reads the same names)
 ROLLOUT_ID = "spanrl.rollout_id"
@@ -114,7 +114,7 @@ def instrument(service_name: str, bridge_url: str | None = None, set_global: boo
     """
     global _provider
     if bridge_url is None or auth_token is None:
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         bridge_url = bridge_url or get_settings().bridge_url
         auth_token = auth_token or get_settings().auth_token
@@ -151,8 +151,8 @@ def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
     SDK, AutoGen AgentChat) with ``provider`` (default: the one :func:`instrument` built),
     and :func:`propagate_trace_context`. Idempotent; returns the frameworks instrumented by
     this call. Their spans name the agent (LangGraph node, Agents SDK agent, AutoGen agent:
-    ``producers.otlp.span_agent_name``); the ``traceparent`` of each LLM request links the
-    proxy's record of the call to them (``stream_jobs.assembly.resolve_agent``)."""
+    ``spanrl.producers.otlp.span_agent_name``); the ``traceparent`` of each LLM request links the
+    proxy's record of the call to them (``spanrl.stream_jobs.assembly.resolve_agent``)."""
     import importlib
     import importlib.util
 

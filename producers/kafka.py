@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas import codec, topics
-from schemas.topics import Topic
+from spanrl.schemas import codec, topics
+from spanrl.schemas.topics import Topic
 
 #: seconds a produce may take before the caller is told Kafka is unavailable
 SEND_TIMEOUT_S = 15.0

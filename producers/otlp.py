@@ -1,6 +1,6 @@
 """Pure conversion: OTLP/HTTP protobuf request -> spanrl Span / Reward / dead-letter records.
 
-No I/O here; :mod:`producers.bridge` does the HTTP and Kafka plumbing.
+No I/O here; :mod:`spanrl.producers.bridge` does the HTTP and Kafka plumbing.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from producers import instrument as keys
+from spanrl.producers import instrument as keys
 
 
 class OtlpError(ValueError):

@@ -1,6 +1,6 @@
 """OpenAI-compatible LLM proxy in front of vLLM that records every call as a Span.
 
-    python -m producers.proxy [--port P] [--topic-prefix X] [--policy-version V]
+    python -m spanrl.producers.proxy [--port P] [--topic-prefix X] [--policy-version V]
 
 An agent points its OpenAI client at the per-rollout base URL
 ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}/v1``. The proxy asks vLLM for
@@ -45,10 +45,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from producers import claims, edge, streaming
-from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
-from producers.streaming import CHAT, COMPLETIONS, RecordFailed
-from schemas import codec
+from spanrl.producers import claims, edge, streaming
+from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
+from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
+from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.proxy")
 RETRY_AFTER_S = "5"
@@ -354,7 +354,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them."""
     metrics: Counter[str] = Counter()
     if payload_bucket is None:
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         payload_bucket = get_settings().payload_bucket
     claim_client = claim_client or claims.make_client()
@@ -667,7 +667,7 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    from infra.settings import get_settings
+    from spanrl.infra.settings import get_settings
 
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,7 +4,7 @@ Each attempt gets a fresh ``rollout_id`` and publishes its lifecycle on ``rollou
 (``started``, then ``succeeded | failed | timeout``). The agent callable receives a
 :class:`RolloutContext` whose ``base_url`` is the proxy's per-rollout OpenAI URL (with
 ``api_key`` to use there: the proxy's bearer token when ``SPANRL_AUTH_TOKEN`` is set), and
-runs inside :func:`producers.instrument.rollout_context`, so its OTel spans are stamped.
+runs inside :func:`spanrl.producers.instrument.rollout_context`, so its OTel spans are stamped.
 A task's offset is committed only after all its attempts published a terminal event.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from producers import instrument
-from producers.edge import token_value
-from producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
-from schemas import codec
+from spanrl.producers import instrument
+from spanrl.producers.edge import token_value
+from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
+from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.runner")
 NO_API_KEY = "spanrl"  # what an OpenAI client sends when the proxy has no token (it must send something)
@@ -80,7 +80,7 @@ async def publish_tasks(tasks: list[dict], bootstrap: str | None = None, topics:
     ``bootstrap`` defaults to ``settings.kafka_bootstrap`` (``settings``: infra Settings,
     default ``get_settings()``)."""
     if bootstrap is None:
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         bootstrap = (settings or get_settings()).kafka_bootstrap
     sink = Sink(bootstrap, topics)
@@ -122,11 +122,11 @@ class Runner:
                  runner_id: str | None = None, settings=None, record_to: str | None = None,
                  telemetry: bool = True):
         """``record_to="eval"``: evaluation episodes (their OTel spans go to the evaluation
-        topics; see :func:`producers.instrument.rollout_context`). ``telemetry``: make sure
+        topics; see :func:`spanrl.producers.instrument.rollout_context`). ``telemetry``: make sure
         this process exports OTel spans to the bridge, the agent frameworks' included
-        (:func:`producers.instrument.ensure_instrumented`), so that each LLM call's agent is
+        (:func:`spanrl.producers.instrument.ensure_instrumented`), so that each LLM call's agent is
         known from the framework's own spans."""
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         s = settings or get_settings()
         self.record_to = record_to

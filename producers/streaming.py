@@ -6,7 +6,7 @@ streamed endpoint served from vLLM's chat stream (the Responses API):
 - :class:`SseDecoder`: lines of a ``text/event-stream`` body -> the ``data`` of each event;
 - :class:`StreamAccumulator`: vLLM's chunks of one request -> the answer a non-streamed
   request would have got (token ids, log-probs, finish reasons, text, usage), which
-  ``producers.proxy.llm_call_from_response`` turns into LlmCall records as for any answer;
+  ``spanrl.producers.proxy.llm_call_from_response`` turns into LlmCall records as for any answer;
 - :func:`upstream_stream_body`, :func:`strip_chunk`, :func:`sse_event`: what the proxy asks
   vLLM for and what it forwards.
 
@@ -217,7 +217,7 @@ def wants_usage(client_body: dict) -> bool:
 
 
 def upstream_stream_body(body: dict) -> dict:
-    """The streamed request to vLLM (on top of what ``producers.proxy.upstream_body`` adds):
+    """The streamed request to vLLM (on top of what ``spanrl.producers.proxy.upstream_body`` adds):
     usage always asked (``stream_options.include_usage``, the client's other stream options
     kept), so the record has vLLM's token counts whether or not the client wants them."""
     out = dict(body)

@@ -16,7 +16,7 @@ DAY_MS = 24 * 3600 * 1000
 class Topic:
     """One Kafka topic.
 
-    name: topic name; key: what the record key holds; record: schemas.codec record type;
+    name: topic name; key: what the record key holds; record: spanrl.schemas.codec record type;
     partitions: partition count; retention_ms: -1 keeps forever;
     compact: log compaction (latest value per key) instead of deletion;
     max_message_bytes: broker-side per-record limit (Kafka ``max.message.bytes``).

@@ -1,6 +1,6 @@
-"""The Faust app: plumbing around stream_jobs.assembly and stream_jobs.grouping.
+"""The Faust app: plumbing around spanrl.stream_jobs.assembly and spanrl.stream_jobs.grouping.
 
-    python -m stream_jobs.app worker -l info
+    python -m spanrl.stream_jobs.app worker -l info
 
 Agent ``assemble``: spans + rewards + rollouts (co-partitioned by rollout_id) ->
 per-rollout state in a table -> transitions (key task_id).
@@ -23,12 +23,12 @@ import faust
 from faust.serializers import codecs as faust_codecs
 from faust.streams import current_event
 
-from producers import claims
-from schemas import codec, topics
-from stream_jobs import assembly, grouping
-from stream_jobs import dead_letters as dl
-from stream_jobs.clock import TimeoutClock
-from stream_jobs.credit import parse_credit_rule
+from spanrl.producers import claims
+from spanrl.schemas import codec, topics
+from spanrl.stream_jobs import assembly, grouping
+from spanrl.stream_jobs import dead_letters as dl
+from spanrl.stream_jobs.clock import TimeoutClock
+from spanrl.stream_jobs.credit import parse_credit_rule
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class StreamConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "StreamConfig":
-        from infra.settings import get_settings
+        from spanrl.infra.settings import get_settings
 
         env = dict(os.environ if env is None else env)
         s = get_settings()

@@ -33,7 +33,7 @@ id and the agent name it carries), so that when the attempt ends each call's age
 resolved (:func:`resolve_agent`): the name the call itself carries (the proxy's
 ``x-spanrl-agent`` header, an explicit override), else the nearest ancestor span, through
 the call's W3C trace parent, that names an agent (a LangGraph node, an Agents SDK agent, an
-AutoGen agent; ``producers.otlp.span_agent_name``), else *unresolved*. Selected calls are
+AutoGen agent; ``spanrl.producers.otlp.span_agent_name``), else *unresolved*. Selected calls are
 those whose agent the config's :class:`AgentSelector` selects (no selector: every call,
 unresolved ones included; with one: unresolved calls are never selected). Every ended
 attempt also yields one *call account* (schemas/avro/call_account.v1.avsc): each call, its
@@ -54,8 +54,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from stream_jobs import dead_letters as dl
-from stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
+from spanrl.stream_jobs import dead_letters as dl
+from spanrl.stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
 
 TERMINAL = frozenset({"succeeded", "failed", "timeout"})
 EMITTED = "emitted"

@@ -6,7 +6,7 @@ table); the transitions themselves wait in a separate ``store`` mapping.
 LightningRL (arXiv 2508.03680) s3.3: the transitions of several runs of the same task
 form a group and GRPO normalises the episode returns inside it, so every call of
 rollout i gets the advantage A_i = (R_i - mean R) / (std R + eps) (DeepSeekMath,
-arXiv 2402.03300 s4.1.2; see :func:`stream_jobs.credit.grpo_advantages`). The
+arXiv 2402.03300 s4.1.2; see :func:`spanrl.stream_jobs.credit.grpo_advantages`). The
 advantage uses ``episode_return``; the credit rule only changes a transition's
 ``reward`` field (for losses that use it, e.g. REINFORCE++).
 
@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from schemas import codec
-from stream_jobs import dead_letters as dl
-from stream_jobs.credit import grpo_advantages, group_stats
+from spanrl.schemas import codec
+from spanrl.stream_jobs import dead_letters as dl
+from spanrl.stream_jobs.credit import grpo_advantages, group_stats
 
 RECENT_CLOSED_MAX = 1024
 RECENT_CLOSED_SPANS_MAX = 4096

@@ -1,10 +1,10 @@
 """Shared fixtures. Integration tests use the real local stack, started exactly as
-`make demo` starts it (infra.stack.Stack); `make test` brings it up before pytest."""
+`make demo` starts it (spanrl.infra.stack.Stack); `make test` brings it up before pytest."""
 from __future__ import annotations
 
 import pytest
 
-from infra.settings import get_settings
+from spanrl.infra.settings import get_settings
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +15,7 @@ def settings():
 @pytest.fixture(scope="session")
 def stack(settings):
     """The running stack; starts missing components (idempotent), fails if one cannot start."""
-    from infra.stack import Stack
+    from spanrl.infra.stack import Stack
 
     st = Stack(settings)
     st.up()
@@ -28,8 +28,8 @@ def scratch_run(settings):
     its checkpoints (MinIO objects, the trainer's and reloader's local copies) are deleted,
     so the suite's disk use stays at a few checkpoints (each ~0.5 GB; MinIO refuses writes
     on a nearly full drive). The stack's own run is deleted by ``make test`` at the end."""
-    from infra.stack import Stack
-    from trainer import checkpoint
+    from spanrl.infra.stack import Stack
+    from spanrl.trainer import checkpoint
 
     made: list[str] = []
 

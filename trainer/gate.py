@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from infra import intervals
+from spanrl.infra import intervals
 
 ACCEPT = "not_worse"
 REFUSE = "worse_beyond_tolerance"
@@ -26,7 +26,7 @@ REFUSE = "worse_beyond_tolerance"
 class GateDecision:
     """``accept``: serve the candidate; ``reason``: ``not_worse`` | ``worse_beyond_tolerance``;
     ``difference``: mean (candidate - incumbent) reward per task with its 95% interval
-    (``infra.intervals.Interval.as_dict()``); means of both over the shared tasks."""
+    (``spanrl.infra.intervals.Interval.as_dict()``); means of both over the shared tasks."""
 
     accept: bool
     reason: str

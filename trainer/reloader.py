@@ -38,7 +38,7 @@ checkpoint (version 0: the base model) until ``POST /admin/unpin``; announcement
 meanwhile are verified and become the target, which the unpin applies. ``spanrl eval``
 uses this to evaluate any ``RUN:VERSION`` and restore what was served.
 
-Run: ``python -m trainer.reloader --run NAME``; ``/health``, ``/status`` and ``/policy``
+Run: ``python -m spanrl.trainer.reloader --run NAME``; ``/health``, ``/status`` and ``/policy``
 on reloader_port.
 """
 from __future__ import annotations
@@ -55,10 +55,10 @@ from pathlib import Path
 import httpx
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from infra.settings import get_settings
-from schemas import topics
-from trainer import checkpoint
-from trainer.train import _partitions, read_announcements, start_http
+from spanrl.infra.settings import get_settings
+from spanrl.schemas import topics
+from spanrl.trainer import checkpoint
+from spanrl.trainer.train import _partitions, read_announcements, start_http
 
 log = logging.getLogger("spanrl.reloader")
 
@@ -227,7 +227,7 @@ class Reloader:
     async def _gate_rewards(self, label: str) -> dict[str, float]:
         """Per-task reward of what vLLM serves now on the gate's tasks (greedy, through the
         proxy's evaluation routes: recorded on the evaluation topics)."""
-        from infra.evaluation import EvalConfig, per_task_means, run_policy_episodes
+        from spanrl.infra.evaluation import EvalConfig, per_task_means, run_policy_episodes
 
         cfg = EvalConfig(agent=self.cfg.gate_agent, temperature=0.0, concurrency=self.cfg.gate_concurrency,
                          name=f"gate-{self.run}-{label}")
@@ -241,7 +241,7 @@ class Reloader:
         and becomes the target; refused -> the incumbent is reloaded. The decision is
         written beside the manifest (``RUN/VERSION/gate.json``), into the history and as a
         ``checkpoints`` record (event served | refused). True when vLLM now serves it."""
-        from trainer.gate import gate_decision
+        from spanrl.trainer.gate import gate_decision
 
         version, uri = int(ann["version"]), ann["uri"]
         while self.pinned is not None and not self._stop.is_set():  # an evaluation holds vLLM
@@ -484,7 +484,7 @@ class Reloader:
     async def serve(self) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        from schemas.codec import SchemaError, decode
+        from spanrl.schemas.codec import SchemaError, decode
 
         http = await start_http(self.settings.host, self.settings.reloader_port, self.status,
                                 {"/policy": self.policy},
@@ -556,7 +556,7 @@ async def announce_decision(settings, topic: str, ann: dict, record: dict) -> No
 
     from aiokafka import AIOKafkaProducer
 
-    from schemas.codec import encode
+    from spanrl.schemas.codec import encode
 
     d = record["decision"]
     out = {**{k: ann[k] for k in ("run", "version", "uri", "step", "parent_version", "manifest_sha256")},
@@ -607,7 +607,7 @@ async def vllm_healthy(vllm_url: str, timeout_s: float = 5.0) -> bool:
 async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
     """``POST {proxy}/admin/policy_unsynced {"reason"}``: the proxy answers 503
     policy_unsynced until a version is posted again (unreachable proxy = warning)."""
-    from producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+    from spanrl.producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
 
     try:
         async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
@@ -619,7 +619,7 @@ async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
 
 
 async def notify_proxy(proxy_url: str, version: int, uri: str) -> None:
-    from producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+    from spanrl.producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
 
     try:
         async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:

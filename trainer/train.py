@@ -1,7 +1,7 @@
 """The trainer service: samples topic -> DeepSpeed policy update -> checkpoint in MinIO -> checkpoints topic.
 
 Reads top to bottom: config, engine, one update (algorithm), checkpointing, the
-service loop (plumbing), HTTP status, CLI. Run: ``python -m trainer.train --run NAME``.
+service loop (plumbing), HTTP status, CLI. Run: ``python -m spanrl.trainer.train --run NAME``.
 
 Promises
 - Every update is one optimizer step over all buffered samples (micro-batched with
@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from infra.settings import get_settings
-from schemas import topics
-from trainer import batching, checkpoint, losses
+from spanrl.infra.settings import get_settings
+from spanrl.schemas import topics
+from spanrl.trainer import batching, checkpoint, losses
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -256,11 +256,11 @@ def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> 
 
 
 def base_model_id(base_dir: Path) -> str:
-    """The base model's id: the manifest's base_model for a checkpoint, else infra.model.BASE_MODEL_ID."""
+    """The base model's id: the manifest's base_model for a checkpoint, else spanrl.infra.model.BASE_MODEL_ID."""
     m = Path(base_dir) / checkpoint.MANIFEST
     if m.exists():
         return json.loads(m.read_text())["base_model"]
-    from infra.model import BASE_MODEL_ID
+    from spanrl.infra.model import BASE_MODEL_ID
 
     return BASE_MODEL_ID
 
@@ -287,7 +287,7 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
     ``published`` only (the release gate's served/refused records are left out)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from schemas.codec import decode
+    from spanrl.schemas.codec import decode
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
                                 enable_auto_commit=False, group_id=None)
@@ -406,7 +406,7 @@ class Trainer:
     async def announce(self, uri: str, manifest: dict, ckpt_dir: Path) -> None:
         from aiokafka import AIOKafkaProducer
 
-        from schemas.codec import encode
+        from spanrl.schemas.codec import encode
 
         record = {
             "run": self.run, "version": manifest["version"], "uri": uri, "step": manifest["step"],
@@ -546,7 +546,7 @@ class Trainer:
     async def _serve(self) -> None:
         from transformers import AutoTokenizer
 
-        from schemas.codec import SchemaError, decode
+        from spanrl.schemas.codec import SchemaError, decode
 
         await self._retry("resume", self.resume)
         model = await asyncio.to_thread(load_model, self.model_dir)

@@ -36,9 +36,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from infra.settings import Settings, get_settings
-from schemas import decode
-from schemas import topics as T
+from spanrl.infra.settings import Settings, get_settings
+from spanrl.schemas import decode
+from spanrl.schemas import topics as T
 
 
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
@@ -168,9 +168,9 @@ def _served_version(s: Settings) -> int:
 
 async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[dict], progress, bar) -> IterationResult:
     from examples.agents import agent_spec
-    from infra.evaluation import load_agent
-    from infra.replay import agent_counts
-    from producers.runner import Runner, publish_tasks
+    from spanrl.infra.evaluation import load_agent
+    from spanrl.infra.replay import agent_counts
+    from spanrl.producers.runner import Runner, publish_tasks
 
     res = IterationResult(iteration=it)
     t0 = time.monotonic()
@@ -329,7 +329,7 @@ def _task_set(cfg: MainJobConfig, split: str) -> str:
 
 
 def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console) -> dict:
-    from infra.evaluation import EvalConfig, evaluate
+    from spanrl.infra.evaluation import EvalConfig, evaluate
 
     if mode not in HELDOUT_MODES:
         raise ValueError(f"unknown held-out mode {mode!r}; known: {', '.join(HELDOUT_MODES)}")
@@ -347,7 +347,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     evaluate the final policy on the same held-out tasks; write summary.json,
     reward_curve.png and heldout-<mode>.json/.png; return the summary."""
     from examples.agents import disjoint, load_split
-    from infra.evaluation import merge_reports, write_report
+    from spanrl.infra.evaluation import merge_reports, write_report
 
     s = settings or get_settings()
     console = console or Console()

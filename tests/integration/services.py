@@ -1,5 +1,5 @@
 """What integration tests of the producers share: our services run as subprocesses from this
-checkout on free ports (``python -m producers.bridge|proxy``), writing to a test's own
+checkout on free ports (``python -m spanrl.producers.bridge|proxy``), writing to a test's own
 ``<prefix>*`` topics on the stack's Kafka, and reading those topics back."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from infra.settings import get_settings
-from producers.kafka import Topics, create_topics, delete_topics
-from schemas import codec
+from spanrl.infra.settings import get_settings
+from spanrl.producers.kafka import Topics, create_topics, delete_topics
+from spanrl.schemas import codec
 
 ROOT = Path(__file__).resolve().parents[2]
 S = get_settings()

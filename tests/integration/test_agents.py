@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from examples.agents import agent_spec
-from infra.evaluation import load_agent
-from infra.replay import ReplayConfig, agent_counts, output_topics, read_topic, replay
-from producers.runner import Runner, make_task
-from schemas import topics as T
+from spanrl.infra.evaluation import load_agent
+from spanrl.infra.replay import ReplayConfig, agent_counts, output_topics, read_topic, replay
+from spanrl.producers.runner import Runner, make_task
+from spanrl.schemas import topics as T
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.chaos import ChaosConfig, run_fault
+from spanrl.infra.chaos import ChaosConfig, run_fault
 
 pytestmark = pytest.mark.integration
 

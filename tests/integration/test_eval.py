@@ -27,14 +27,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infra import evaluation as E
-from infra.replay import topics_end_offsets
-from infra.settings import get_settings
-from producers.kafka import Topics
-from schemas import topics as T
-from schemas.codec import encode
-from trainer import checkpoint
-from trainer.reloader import Reloader, ReloaderConfig
+from spanrl.infra import evaluation as E
+from spanrl.infra.replay import topics_end_offsets
+from spanrl.infra.settings import get_settings
+from spanrl.producers.kafka import Topics
+from spanrl.schemas import topics as T
+from spanrl.schemas.codec import encode
+from spanrl.trainer import checkpoint
+from spanrl.trainer.reloader import Reloader, ReloaderConfig
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +71,7 @@ async def _announce(topic: str, run: str, version: int, uri: str, ckpt: Path) ->
 
 
 async def _read_all(topic: str) -> list[dict]:
-    from infra.replay import read_topic
+    from spanrl.infra.replay import read_topic
 
     return await read_topic(get_settings().kafka_bootstrap, T.BY_NAME.get(topic) or T.Topic(topic, "run", "checkpoint", 1))
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from examples.math_agent.main_job import MainJobConfig, run_main_job
-from infra.replay import read_topic
-from schemas import codec
-from schemas import topics as T
-from stream_jobs.credit import grpo_advantages
-from trainer import checkpoint
+from spanrl.infra.replay import read_topic
+from spanrl.schemas import codec
+from spanrl.schemas import topics as T
+from spanrl.stream_jobs.credit import grpo_advantages
+from spanrl.trainer import checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +105,7 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings, tmp_path, 
     reward = 0.5 R, leaves the original topic alone, and trains a new run from a checkpoint."""
     import uuid
 
-    from infra.replay import ReplayConfig, output_topics, replay
+    from spanrl.infra.replay import ReplayConfig, output_topics, replay
 
     ours = {r for it in main_job["iterations"] for r in it["rollout_ids"]}
     bootstrap = settings.kafka_bootstrap
@@ -113,7 +113,7 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings, tmp_path, 
     n_original_total = len(asyncio.run(read_topic(bootstrap, T.TRANSITIONS)))
     version = max(v for it in main_job["iterations"] for v in it["checkpoints_announced"])
     suffix = f"t{uuid.uuid4().hex[:8]}"
-    scratch_run(f"replay-{suffix}")  # the run infra.replay trains
+    scratch_run(f"replay-{suffix}")  # the run spanrl.infra.replay trains
     result = replay(ReplayConfig(suffix=suffix, credit_rule="scaled:0.5", train_from=f"{settings.run}:{version}",
                                  train_updates=1, timeout_s=400))
     new_topic = output_topics(suffix)[0]
@@ -139,7 +139,7 @@ def test_replay_with_the_same_rule_is_byte_identical(main_job, settings):
     very same transition records, byte for byte (same key, same Avro value)."""
     import uuid
 
-    from infra.replay import ReplayConfig, output_topics, read_records, replay
+    from spanrl.infra.replay import ReplayConfig, output_topics, read_records, replay
 
     ours = {r for it in main_job["iterations"] for r in it["rollout_ids"]}
     bootstrap = settings.kafka_bootstrap

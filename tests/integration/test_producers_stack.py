@@ -1,8 +1,8 @@
 """Bridge, proxy and runner against the real Kafka and vLLM (``spanrl stack up``).
 
-Bridge and proxy run as subprocesses (``python -m producers.bridge|proxy``) on free
+Bridge and proxy run as subprocesses (``python -m spanrl.producers.bridge|proxy``) on free
 ports, writing to unique ``prtest-<id>-*`` topics created from ``Topic.config()``.
-Fixtures start only the stack components a test needs (``infra.stack.Stack.start``, as
+Fixtures start only the stack components a test needs (``spanrl.infra.stack.Stack.start``, as
 ``make demo`` does): ``kafka_stack`` needs Kafka, ``stack`` Kafka and vLLM.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from infra.stack import Stack
-from producers import instrument as inst
-from producers.kafka import Topics, create_topics
-from producers.otlp import convert_request, decode_request
-from producers.runner import Runner, publish_tasks
-from schemas import codec
+from spanrl.infra.stack import Stack
+from spanrl.producers import instrument as inst
+from spanrl.producers.kafka import Topics, create_topics
+from spanrl.producers.otlp import convert_request, decode_request
+from spanrl.producers.runner import Runner, publish_tasks
+from spanrl.schemas import codec
 from tests.integration.services import S, of_rollout, own_topics, read_topic, start_service, stop
 from tests.integration.services import topic_prefix as _prefix
 
@@ -51,10 +51,10 @@ def kafka_stack(topics):
     """Bridge and proxy on this module's topics; enough for everything vLLM is not asked for."""
     procs = []
     try:
-        bridge, bridge_url = start_service("producers.bridge", "--topic-prefix", _prefix(topics),
+        bridge, bridge_url = start_service("spanrl.producers.bridge", "--topic-prefix", _prefix(topics),
                                            "--max-body-bytes", "100000")
         procs.append(bridge)
-        proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(topics))
+        proxy, proxy_url = start_service("spanrl.producers.proxy", "--topic-prefix", _prefix(topics))
         procs.append(proxy)
         yield {"topics": topics, "bridge": bridge_url, "proxy": proxy_url}
     finally:
@@ -155,7 +155,7 @@ def test_bridge_rejects_bad_input(kafka_stack):
 
 
 def test_bridge_kafka_down_is_503():
-    proc, url = start_service("producers.bridge", "--kafka-bootstrap", "127.0.0.1:1")
+    proc, url = start_service("spanrl.producers.bridge", "--kafka-bootstrap", "127.0.0.1:1")
     try:
         r = httpx.post(url + "/v1/traces", content=_otlp_body({"spanrl.rollout_id": "r", "spanrl.reward.value": 1.0}),
                        headers={"content-type": "application/x-protobuf"}, timeout=30)
@@ -175,7 +175,7 @@ def test_bridge_bounds_records_waiting_for_acks(tmp_path):
     with socket.socket() as silent:  # listens, never accepts: connects succeed, requests hang
         silent.bind((S.host, 0))
         silent.listen(128)
-        proc, url = start_service("producers.bridge", "--kafka-bootstrap", f"{S.host}:{silent.getsockname()[1]}",
+        proc, url = start_service("spanrl.producers.bridge", "--kafka-bootstrap", f"{S.host}:{silent.getsockname()[1]}",
                                   "--max-inflight-bytes", str(2 * size + size // 2),
                                   env={"SPANRL_KAFKA_SEND_TIMEOUT_S": str(timeout_s)})
         try:
@@ -212,11 +212,11 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
     token = "itest-" + secrets.token_urlsafe(24)
     env = {"SPANRL_AUTH_TOKEN": token}
     logs = {name: tmp_path / f"{name}.log" for name in ("bridge", "proxy")}
-    bridge, bridge_url = start_service("producers.bridge", "--topic-prefix", _prefix(topics), env=env,
+    bridge, bridge_url = start_service("spanrl.producers.bridge", "--topic-prefix", _prefix(topics), env=env,
                                        output=logs["bridge"])
     proxy = None
     try:
-        proxy, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(topics),
+        proxy, proxy_url = start_service("spanrl.producers.proxy", "--topic-prefix", _prefix(topics),
                                          "--vllm-url", "http://127.0.0.1:1", "--reloader-url", "",
                                          env=env, output=logs["proxy"])
         rid = uuid.uuid4().hex
@@ -272,15 +272,15 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
 def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path, monkeypatch):
     """The runner hands the agent the token as ``ctx.api_key``; the call is recorded; the
     reloader's policy-version update carries the token too."""
-    from infra.settings import Settings
-    from trainer import reloader
+    from spanrl.infra.settings import Settings
+    from spanrl.trainer import reloader
 
     token = "itest-" + secrets.token_urlsafe(24)
     settings = Settings(auth_token=token)
     own = Topics.with_prefix(_prefix(stack["topics"]) + "tok-")  # its rollouts stay out of the runner tests'
     asyncio.run(create_topics(S.kafka_bootstrap, own.all()))
     log = tmp_path / "proxy.log"
-    proc, proxy_url = start_service("producers.proxy", "--topic-prefix", _prefix(own),
+    proc, proxy_url = start_service("spanrl.producers.proxy", "--topic-prefix", _prefix(own),
                                     env={"SPANRL_AUTH_TOKEN": token}, output=log)
     try:
         monkeypatch.setattr(reloader, "get_settings", lambda: settings)
@@ -380,7 +380,7 @@ def test_proxy_rejects_bad_input(kafka_stack):
 
 
 def test_proxy_vllm_down_is_503(kafka_stack):
-    proc, url = start_service("producers.proxy", "--vllm-url", "http://127.0.0.1:1",
+    proc, url = start_service("spanrl.producers.proxy", "--vllm-url", "http://127.0.0.1:1",
                               "--topic-prefix", _prefix(kafka_stack["topics"]))
     try:
         assert httpx.get(url + "/health").json()["vllm"] is False

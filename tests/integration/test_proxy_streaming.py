@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from infra.stack import Stack
+from spanrl.infra.stack import Stack
 from tests.integration.services import S, of_rollout, own_topics, read_topic, start_service, stop, topic_prefix
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ def proxy():
     Stack(S).start("kafka")
     Stack(S).start("vllm")
     with own_topics("pstest") as topics:
-        proc, url = start_service("producers.proxy", "--topic-prefix", topic_prefix(topics), "--reloader-url", "")
+        proc, url = start_service("spanrl.producers.proxy", "--topic-prefix", topic_prefix(topics), "--reloader-url", "")
         try:
             yield {"url": url, "topics": topics}
         finally:
@@ -185,7 +185,7 @@ def test_n2_each_choice_is_its_own_call(proxy, stream):
 def test_eval_route_streams_to_the_eval_topics(proxy):
     """``/eval/{sampling}/...`` streamed: the sampling's temperature is applied and the call is
     recorded on ``spans.eval``, like a non-streamed evaluation call."""
-    from producers.kafka import Topics
+    from spanrl.producers.kafka import Topics
 
     rid = uuid.uuid4().hex
     url = f"{proxy['url']}/eval/0.5/rollouts/{rid}/attempts/0/v1"
@@ -268,7 +268,7 @@ def test_stream_without_kafka_never_says_done(proxy):
     """Kafka unreachable: the answer streams, but instead of [DONE] the stream ends with an
     error event kafka_unavailable, which the OpenAI SDK raises (LangChain's stream and the
     Agents SDK's run_streamed too)."""
-    proc, url = start_service("producers.proxy", "--kafka-bootstrap", f"{S.host}:1", "--reloader-url", "",
+    proc, url = start_service("spanrl.producers.proxy", "--kafka-bootstrap", f"{S.host}:1", "--reloader-url", "",
                               env={"SPANRL_KAFKA_SEND_TIMEOUT_S": "1"})
     try:
         client = openai.OpenAI(base_url=f"{url}/rollouts/r/attempts/0/v1", api_key="unused", max_retries=0)

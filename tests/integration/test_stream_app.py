@@ -1,12 +1,12 @@
-"""The stream app end to end against the real Kafka and MinIO (infra.settings).
+"""The stream app end to end against the real Kafka and MinIO (spanrl.infra.settings).
 
-Runs ``python -m stream_jobs.app worker`` as a subprocess on private topics
+Runs ``python -m spanrl.stream_jobs.app worker`` as a subprocess on private topics
 (``sjtest-<uuid>-*``) and a private app id:
 
 - 2 tasks x 2 rollouts x 2 LLM calls (+ a tool span, a re-delivered span, one
   undecodable record): exactly what reaches transitions, samples and dead-letter;
 - a span above the spans topic's limit posted to the OTLP bridge (``python -m
-  producers.bridge``): claim-checked into MinIO, resolved by the worker, full token ids
+  spanrl.producers.bridge``): claim-checked into MinIO, resolved by the worker, full token ids
   in the transition; claims to a missing or altered object -> ``claim_unresolved``;
 - a worker SIGKILLed with a call pending: the restarted worker recovers its tables
   from the changelogs and emits the call.
@@ -37,13 +37,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 
-from infra.stack import Stack, stop_process_group
-from producers import claims
+from spanrl.infra.stack import Stack, stop_process_group
+from spanrl.producers import claims
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from infra.settings import get_settings
-from schemas import codec, topics
+from spanrl.infra.settings import get_settings
+from spanrl.schemas import codec, topics
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -166,7 +166,7 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
            "SPANRL_REWARD_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "60"}
     log = open(tmp_path / "worker.log", "wb")
     # cwd: Faust writes <app_id>-data into the working directory
-    proc = subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+    proc = subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
                             cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -239,7 +239,7 @@ def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **ext
            "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"],
            "SPANRL_SETTLE_S": "1", "PYTHONPATH": str(REPO), **extra}
     # cwd: Faust writes <app_id>-data into the working directory
-    return subprocess.Popen([sys.executable, "-m", "stream_jobs.app", "worker", "-l", "info"],
+    return subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
                             cwd=log_path.parent, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -361,7 +361,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
     altered_key = claims.content_key(names["spans"], "ralt", b"the original")
     minio.put_object(bucket, altered_key, io.BytesIO(b"something else"), 14)
     web_port, bridge_port = _free_port(), _free_port()
-    bridge = subprocess.Popen([sys.executable, "-m", "producers.bridge", "--port", str(bridge_port),
+    bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
                                "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
                               stdout=open(tmp_path / "bridge.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)
@@ -385,7 +385,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
         counters = _counters(web_port)
         # MinIO unreachable: the oversize span is refused with 503 + Retry-After, nothing produced
         stop_process_group(bridge, grace_s=10)
-        bridge = subprocess.Popen([sys.executable, "-m", "producers.bridge", "--port", str(bridge_port),
+        bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
                                    "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
                                   env={**os.environ, "SPANRL_MINIO_PORT": "1"},
                                   stdout=open(tmp_path / "bridge2.log", "wb"), stderr=subprocess.STDOUT,

@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.settings import get_settings
-from infra.stack import ROOT, Stack
-from schemas.codec import encode
-from trainer import checkpoint
-from trainer.reloader import Reloader, ReloaderConfig, reload_vllm
-from trainer.train import Trainer, TrainerConfig, read_announcements
+from spanrl.infra.settings import get_settings
+from spanrl.infra.stack import ROOT, Stack
+from spanrl.schemas.codec import encode
+from spanrl.trainer import checkpoint
+from spanrl.trainer.reloader import Reloader, ReloaderConfig, reload_vllm
+from spanrl.trainer.train import Trainer, TrainerConfig, read_announcements
 
 pytestmark = pytest.mark.integration
 
@@ -275,7 +275,7 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
 
     def start(**extra) -> subprocess.Popen:
         out = open(tmp_path / f"trainer-{len(procs)}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "trainer.train"], cwd=ROOT, env={**env, **extra},
+        p = subprocess.Popen([sys.executable, "-m", "spanrl.trainer.train"], cwd=ROOT, env={**env, **extra},
                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
         return p
@@ -325,7 +325,7 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
 async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack, scratch_run, tiny_model_dir):
     """MinIO stopped before publish: upload retried with backoff (logged), version 1 is
     published once MinIO is back; a stop during a retry leaves the version unpublished."""
-    from trainer.train import build_engine, load_model
+    from spanrl.trainer.train import build_engine, load_model
 
     s = get_settings()
     tag = uuid.uuid4().hex[:8]
@@ -430,8 +430,8 @@ async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack,
 async def _spans(topic: str, rollout_id: str) -> list[dict]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from schemas.codec import decode
-    from trainer.train import _partitions
+    from spanrl.schemas.codec import decode
+    from spanrl.trainer.train import _partitions
 
     c = AIOKafkaConsumer(bootstrap_servers=get_settings().kafka_bootstrap, group_id=None,
                          isolation_level="read_committed", enable_auto_commit=False)
@@ -454,7 +454,7 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
     """The proxy starts with the reloader's served version (not 0); when vLLM goes, the
     proxy answers 503 policy_unsynced (never a call under a wrong label) until the
     reloader has reloaded the served checkpoint into the restarted vLLM and posted it."""
-    from producers.kafka import Topics, create_topics, delete_topics
+    from spanrl.producers.kafka import Topics, create_topics, delete_topics
 
     s = get_settings()
     light_stack.up(["vllm"])
@@ -487,7 +487,7 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
         await _wait_for("the reloader to serve v1", lambda: rl.vllm_synced and rl.served_version == 1, 300)
 
         # (a) a proxy started now asks the reloader: v1, not 0
-        proxy = subprocess.Popen([sys.executable, "-m", "producers.proxy", "--port", str(s.proxy_port),
+        proxy = subprocess.Popen([sys.executable, "-m", "spanrl.producers.proxy", "--port", str(s.proxy_port),
                                   "--topic-prefix", f"trlabel-{tag}-", "--vllm-url", s.vllm_url,
                                   "--reloader-url", f"http://{s.host}:{s.reloader_port}"], cwd=ROOT,
                                  start_new_session=True)
@@ -611,7 +611,7 @@ def test_spanrl_runs_and_clean_delete_a_run_from_minio_and_disk(tmp_path, light_
     assert runs[doomed]["local_bytes"] == runs[doomed]["store_bytes"]
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "spanrl.infra.cli", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
 
     listed = cli("runs")

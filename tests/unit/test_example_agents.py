@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from examples.agents import AGENTS, agent_spec, disjoint, load_split
-from infra.evaluation import load_agent
-from stream_jobs.assembly import parse_train_agents
+from spanrl.infra.evaluation import load_agent
+from spanrl.stream_jobs.assembly import parse_train_agents
 
 
 @pytest.mark.parametrize("name", sorted(AGENTS))

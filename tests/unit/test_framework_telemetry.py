@@ -12,8 +12,8 @@ from typing import TypedDict
 
 import pytest
 
-from producers import instrument
-from producers.otlp import span_agent_name
+from spanrl.producers import instrument
+from spanrl.producers.otlp import span_agent_name
 
 
 def test_span_agent_name_per_framework():

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from infra import intervals
+from spanrl.infra import intervals
 
 
 def test_wilson_hand_computed():

@@ -1,5 +1,5 @@
 """The trainer learns: a tiny random Qwen2 trained with the trainer's own engine and
-update (trainer.train.build_engine / train_update) on a toy task whose reward is the
+update (spanrl.trainer.train.build_engine / train_update) on a toy task whose reward is the
 fraction of completion tokens equal to TARGET. Completions are sampled with torch
 (no vLLM), recording behaviour log-probs; GRPO advantages within groups of a prompt."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import deepspeed  # noqa: E402,F401  (installed by infra/bootstrap.sh)
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from trainer import losses  # noqa: E402
-from trainer.train import build_engine, train_update  # noqa: E402
+from spanrl.trainer import losses  # noqa: E402
+from spanrl.trainer.train import build_engine, train_update  # noqa: E402
 
 VOCAB, TARGET, PROMPT_LEN, COMP_LEN = 64, 7, 4, 6
 GROUPS, GROUP_SIZE = 8, 4

@@ -1,10 +1,10 @@
-"""infra.ledger: the chaos run's accounting (exact counts on hand-built records)."""
+"""spanrl.infra.ledger: the chaos run's accounting (exact counts on hand-built records)."""
 from __future__ import annotations
 
 import pytest
 
-from infra.ledger import account, advantage_mismatches, dead_letter_scope, known_reward
-from stream_jobs.credit import grpo_advantages
+from spanrl.infra.ledger import account, advantage_mismatches, dead_letter_scope, known_reward
+from spanrl.stream_jobs.credit import grpo_advantages
 
 RA, RB, RC = "a000" + "0" * 28, "a001" + "0" * 28, "a002" + "0" * 28  # known rewards 0, .25, .5
 

@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from examples.math_agent import agent as math_agent
-from infra.settings import Settings
-from producers import bridge, instrument, proxy
-from producers.edge import INVALID_TOKEN, MISSING_TOKEN, bearer_headers, check_bearer
-from producers.kafka import Sink, Topics
-from producers.runner import RolloutContext, Runner
+from spanrl.infra.settings import Settings
+from spanrl.producers import bridge, instrument, proxy
+from spanrl.producers.edge import INVALID_TOKEN, MISSING_TOKEN, bearer_headers, check_bearer
+from spanrl.producers.kafka import Sink, Topics
+from spanrl.producers.runner import RolloutContext, Runner
 
 TOKEN = "tok-5f2b9c1e7a"
 UNREACHABLE = "127.0.0.1:1"
@@ -174,7 +174,7 @@ def test_math_agent_sends_the_token_to_the_proxy(monkeypatch):
 
 
 def test_reloader_tells_the_proxy_with_the_token(monkeypatch):
-    from trainer import reloader
+    from spanrl.trainer import reloader
 
     seen = []
 

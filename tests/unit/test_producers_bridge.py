@@ -7,8 +7,8 @@ from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from producers.bridge import InflightBuffer, create_app
-from producers.kafka import Sink, Topics
+from spanrl.producers.bridge import InflightBuffer, create_app
+from spanrl.producers.kafka import Sink, Topics
 
 PB = {"content-type": "application/x-protobuf"}
 

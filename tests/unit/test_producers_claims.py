@@ -3,9 +3,9 @@ import asyncio
 
 import pytest
 
-from producers import claims
-from schemas import codec
-from schemas.topics import Topic
+from spanrl.producers import claims
+from spanrl.schemas import codec
+from spanrl.schemas.topics import Topic
 
 SHA_ABC = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # sha256(b"abc")
 

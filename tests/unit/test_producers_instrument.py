@@ -9,10 +9,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from producers import instrument
-from producers.instrument import RolloutStampProcessor, emit_reward, rollout_context
-from producers.kafka import Topics
-from producers.runner import RolloutContext, _OffsetTracker
+from spanrl.producers import instrument
+from spanrl.producers.instrument import RolloutStampProcessor, emit_reward, rollout_context
+from spanrl.producers.kafka import Topics
+from spanrl.producers.runner import RolloutContext, _OffsetTracker
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""OTLP protobuf -> Span / Reward / dead-letter conversion (producers.otlp)."""
+"""OTLP protobuf -> Span / Reward / dead-letter conversion (spanrl.producers.otlp)."""
 from __future__ import annotations
 
 import gzip
@@ -11,8 +11,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from producers.otlp import OtlpError, convert_request, decode_request, span_kind
-from schemas import codec
+from spanrl.producers.otlp import OtlpError, convert_request, decode_request, span_kind
+from spanrl.schemas import codec
 
 TRACE = bytes(range(16))
 SPAN = bytes(range(100, 108))

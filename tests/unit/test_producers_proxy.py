@@ -1,4 +1,4 @@
-"""vLLM response -> LlmCall extraction, response stripping, sequence counters (producers.proxy)."""
+"""vLLM response -> LlmCall extraction, response stripping, sequence counters (spanrl.producers.proxy)."""
 from __future__ import annotations
 
 import json
@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from producers.proxy import (
+from spanrl.producers.proxy import (
     CHAT, COMPLETIONS, BadRequest, MissingTokenIds, SequenceCounter, llm_call_from_response, parse_body,
     parse_traceparent,
     strip_response, upstream_body,
 )
-from schemas import codec
+from spanrl.schemas import codec
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 # the requests that produced the captured fixtures (vLLM 0.32, SmolLM2-135M-Instruct as "policy")
@@ -133,8 +133,8 @@ def test_proxy_bad_input_is_counted():
     """Bad bodies are answered before vLLM or Kafka (both unreachable here) and counted."""
     from fastapi.testclient import TestClient
 
-    from producers.kafka import Sink, Topics
-    from producers.proxy import create_app
+    from spanrl.producers.kafka import Sink, Topics
+    from spanrl.producers.proxy import create_app
 
     app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
     url = "/rollouts/r/attempts/0/v1/chat/completions"

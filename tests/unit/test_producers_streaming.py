@@ -1,4 +1,4 @@
-"""Streamed calls (producers.streaming): SSE decoding, chunk accumulation into the LlmCall
+"""Streamed calls (spanrl.producers.streaming): SSE decoding, chunk accumulation into the LlmCall
 records a non-streamed answer gives, what the client is sent, and the relay's endings.
 
 Fixtures are real vLLM 0.32 streams (SmolLM2-135M-Instruct served as "policy"), captured with
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from producers.proxy import (
+from spanrl.producers.proxy import (
     BadRequest, MissingTokenIds, check_n, check_stream, llm_call_from_response, span_attributes, strip_response,
 )
-from producers.streaming import (
+from spanrl.producers.streaming import (
     CHAT, CLIENT_DISCONNECTED, COMPLETIONS, VLLM_STREAM_FAILED, RecordFailed, Relay, SseDecoder,
     StreamAccumulator, error_event, relay, sse_event, strip_chunk, upstream_stream_body,
 )

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from producers.runner import RolloutContext
+from spanrl.producers.runner import RolloutContext
 
 from examples.rag_agent import agent as ra
 from examples.rag_agent import spec

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from schemas import codec
-from schemas.codec import SchemaError, SchemaRegistry, decode, encode
-from schemas import topics as T
+from spanrl.schemas import codec
+from spanrl.schemas.codec import SchemaError, SchemaRegistry, decode, encode
+from spanrl.schemas import topics as T
 
 TRANSITION = {
     "rollout_id": "r1", "attempt_id": "0", "span_id": "ab" * 8, "task_id": "t1", "group_size": 4,

@@ -1,4 +1,4 @@
-"""Property tests of the Avro codec (schemas.codec) with records drawn from the schemas.
+"""Property tests of the Avro codec (spanrl.schemas.codec) with records drawn from the schemas.
 
 For any record of a schema's shape: ``encode`` then ``decode`` gives the record back
 (``float`` fields as float32, Avro 1.11 spec "Primitive Types"), or ``encode`` raises
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import codec
+from spanrl.schemas import codec
 
 TYPES = ("span", "reward", "transition")
 INT32 = st.integers(-(2**31), 2**31 - 1)

@@ -15,7 +15,7 @@ from langchain_core.language_models.fake_chat_models import FakeListChatModel
 
 from examples.sql_agent import agent as A
 from examples.sql_agent import spec
-from producers.runner import RolloutContext
+from spanrl.producers.runner import RolloutContext
 
 TASK = {
     "task_id": "sql-chinook-tracks_in_genre-test", "db": "chinook",

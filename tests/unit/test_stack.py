@@ -1,7 +1,7 @@
 """Pure parts of the local stack."""
 import base64
 
-from infra.stack import _kafka_cluster_id
+from spanrl.infra.stack import _kafka_cluster_id
 
 
 def test_kafka_cluster_ids_are_16_bytes_and_never_look_like_options():

@@ -8,8 +8,8 @@ from collections import namedtuple
 
 import pytest
 
-from infra import storage
-from trainer import checkpoint
+from spanrl.infra import storage
+from spanrl.trainer import checkpoint
 
 
 def test_select_runs_matches_patterns_and_protects_the_served_run():

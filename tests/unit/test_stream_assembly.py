@@ -1,8 +1,8 @@
 import math
 
-from schemas import codec
-from stream_jobs import assembly
-from stream_jobs.credit import parse_credit_rule
+from spanrl.schemas import codec
+from spanrl.stream_jobs import assembly
+from spanrl.stream_jobs.credit import parse_credit_rule
 
 S = 1000  # ms per second
 CFG = assembly.AssemblyConfig(reward_timeout_s=10, rollout_timeout_s=100, settle_s=2)
@@ -361,7 +361,7 @@ def test_timed_out_attempt_has_an_account_too():
 
 
 def test_agent_counts_of_call_accounts():
-    from infra.replay import agent_counts
+    from spanrl.infra.replay import agent_counts
 
     out, _, _ = run(sql_team_events(), assembly.AssemblyConfig(
         agents=assembly.parse_train_agents("write_query,rewrite_query"), settle_s=0))

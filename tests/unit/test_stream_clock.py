@@ -1,5 +1,5 @@
-"""stream_jobs.clock.TimeoutClock: ticks are judged behind the wall clock while a backlog is read."""
-from stream_jobs.clock import TimeoutClock
+"""spanrl.stream_jobs.clock.TimeoutClock: ticks are judged behind the wall clock while a backlog is read."""
+from spanrl.stream_jobs.clock import TimeoutClock
 
 S = 1000
 

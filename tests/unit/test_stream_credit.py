@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from stream_jobs.credit import (InvalidReward, episode_return, grpo_advantages, group_stats,
+from spanrl.stream_jobs.credit import (InvalidReward, episode_return, grpo_advantages, group_stats,
                                 identical_credit, parse_credit_rule)
 
 EPS = 1e-6

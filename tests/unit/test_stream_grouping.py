@@ -1,5 +1,5 @@
-from schemas import codec
-from stream_jobs import grouping
+from spanrl.schemas import codec
+from spanrl.stream_jobs import grouping
 
 S = 1000
 EPS = 1e-6

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from trainer import checkpoint
+from spanrl.trainer import checkpoint
 
 
 def _ckpt(tmp_path):
@@ -212,7 +212,7 @@ def test_retry_until_success_and_refusals():
 
 
 def test_prune_local_keeps_the_newest_and_protected(tmp_path):
-    from trainer.checkpoint import prune_local
+    from spanrl.trainer.checkpoint import prune_local
 
     run = tmp_path / "run"
     for v in (1, 2, 3, 4, 5):
@@ -225,7 +225,7 @@ def test_prune_local_keeps_the_newest_and_protected(tmp_path):
 
 
 def test_weights_to_prune_keeps_the_newest():
-    from trainer.checkpoint import weights_to_prune
+    from spanrl.trainer.checkpoint import weights_to_prune
 
     assert weights_to_prune([3, 1, 2, 5, 4], keep=2) == [1, 2, 3]
     assert weights_to_prune([1, 2], keep=4) == [] and weights_to_prune([1, 2], keep=0) == []

@@ -1,7 +1,7 @@
 """The release gate's decision rule on hand-computed cases."""
 import pytest
 
-from trainer.gate import ACCEPT, REFUSE, gate_decision
+from spanrl.trainer.gate import ACCEPT, REFUSE, gate_decision
 
 
 def test_equal_policies_are_served():

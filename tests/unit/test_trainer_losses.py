@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer import batching, losses
+from spanrl.trainer import batching, losses
 
 # Two sequences, T=3 positions each; position 0 is prompt, positions 1-2 completion;
 # plus a padded batch row layout check below. Ratios r = exp(logp - behaviour):
@@ -117,7 +117,7 @@ def _sized_sample(prompt_len, completion_len):
 
 
 def test_token_budget_batches_pack_longest_first_within_budget():
-    from trainer import batching
+    from spanrl.trainer import batching
 
     samples = [_sized_sample(3, 2), _sized_sample(10, 5), _sized_sample(4, 4), _sized_sample(1, 1)]  # lengths 5, 15, 8, 2
     # longest first: 15 alone (2*15 > 20); then 8, 5 (2*8=16 <= 20), then 2 would make 3*8=24 > 20
@@ -126,7 +126,7 @@ def test_token_budget_batches_pack_longest_first_within_budget():
 
 
 def test_completion_window_covers_every_completion_token():
-    from trainer import batching
+    from spanrl.trainer import batching
 
     b = batching.collate([_sized_sample(3, 2), _sized_sample(5, 1)])  # T = 6; completions at [3,4] and [5]
     assert batching.completion_window(b) == 6 - 2  # positions 2..5: position 2 predicts token 3

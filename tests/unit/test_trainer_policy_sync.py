@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from producers.proxy import PolicyState, vllm_lost
-from trainer.reloader import vllm_watch_action
+from spanrl.producers.proxy import PolicyState, vllm_lost
+from spanrl.trainer.reloader import vllm_watch_action
 
 
 @pytest.mark.parametrize("up,synced,now,next_at,action", [
