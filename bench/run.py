@@ -104,7 +104,8 @@ class SpanrlSide:
         self.prefix = f"bench-{self.id}-"
         self.app_id = f"bench-{self.id}-stream"
         self.names = {k: self.prefix + k for k in
-                      ("spans", "rewards", "rollouts", "tasks", "dead-letter", "transitions", "samples")}
+                      ("spans", "rewards", "rollouts", "tasks", "dead-letter", "transitions", "samples",
+                       "orphan-spans")}
         self.bridge = self.worker = None
         self.workdir = RESULTS / "tmp" / self.id
         self.seen: dict[str, list[float]] = {}   # rollout_id -> arrival times of its transitions
@@ -118,7 +119,8 @@ class SpanrlSide:
         from spanrl.schemas import topics as T
 
         base = {"spans": T.SPANS, "rewards": T.REWARDS, "rollouts": T.ROLLOUTS, "tasks": T.TASKS,
-                "dead-letter": T.DEAD_LETTER, "transitions": T.TRANSITIONS, "samples": T.SAMPLES}
+                "dead-letter": T.DEAD_LETTER, "transitions": T.TRANSITIONS, "samples": T.SAMPLES,
+                "orphan-spans": T.ORPHAN_SPANS}
         await create_topics(self.bootstrap, tuple(dataclasses.replace(t, name=self.names[k])
                                                   for k, t in base.items()))
 
@@ -147,7 +149,7 @@ class SpanrlSide:
                 "SPANRL_ROLLOUTS_TOPIC": self.names["rollouts"],
                 "SPANRL_TRANSITIONS_TOPIC": self.names["transitions"],
                 "SPANRL_SAMPLES_TOPIC": self.names["samples"], "SPANRL_DEAD_LETTER_TOPIC": self.names["dead-letter"],
-                "SPANRL_SETTLE_S": str(self.a.settle_s)}
+                "SPANRL_ORPHAN_SPANS_TOPIC": self.names["orphan-spans"], "SPANRL_SETTLE_S": str(self.a.settle_s)}
         # None: the worker's own defaults (spanrl.stream_jobs.app.StreamConfig)
         for var, value in (("SPANRL_STREAM_TICK_S", self.a.tick_s),
                            ("SPANRL_STREAM_COMMIT_INTERVAL_S", self.a.commit_interval_s)):

@@ -6,7 +6,10 @@ a replay is the same Faust job run again as a new consumer group (a new app id) 
 starts at the beginning of the inputs, or at the first offsets at or after a timestamp
 (Kafka ListOffsets by time, ``offsets_for_times``), and writes to
 ``transitions.<suffix>`` / ``samples.<suffix>`` / ``dead-letter.<suffix>``. The
-original topics are never written.
+original topics are never written. The replay does not run the trace join
+(``SPANRL_STREAM_JOIN_TRACES=false``, stream_jobs/joining.py): the spans that joined a
+rollout by trace id were written to ``spans`` when they joined, so the replay reads them
+there like any other span (running the join again would write ``spans``).
 """
 from __future__ import annotations
 
@@ -201,6 +204,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
            "SPANRL_TRANSITIONS_TOPIC": transitions.name, "SPANRL_SAMPLES_TOPIC": samples.name,
            "SPANRL_DEAD_LETTER_TOPIC": dead.name, "SPANRL_CALL_ACCOUNTS_TOPIC": accounts.name,
            "SPANRL_TRAIN_AGENTS": cfg.train_agents or "", "SPANRL_FAUST_WEB_PORT": str(_free_port()),
+           "SPANRL_STREAM_JOIN_TRACES": "false",
            "SPANRL_GROUP_TIMEOUT_S": os.environ.get("SPANRL_GROUP_TIMEOUT_S", "30")}
     log_path = state / "logs" / f"replay-{cfg.suffix}.log"
     t0 = time.monotonic()

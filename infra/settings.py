@@ -50,6 +50,14 @@ class Settings(BaseSettings):
     #: directory of the base model (safetensors); default: the converted SmolLM2 in the cache
     base_model_dir: Path | None = None
     run: str = "default"
+    #: vLLM's ``--tool-call-parser`` (with ``--enable-auto-tool-choice``), so requests with
+    #: ``tools`` work; ``hermes`` reads ``<tool_call>{"name", "arguments"}</tool_call>``, the
+    #: format :attr:`vllm_chat_template` asks for. Empty: no parser (``tools`` get 400 from vLLM)
+    vllm_tool_call_parser: str = "hermes"
+    #: vLLM's ``--chat-template`` (relative paths from the repository root): SmolLM2's own
+    #: template ignores ``tools``; ours renders them and tool calls, and renders everything
+    #: else exactly as SmolLM2's does. Empty: the model's own template
+    vllm_chat_template: str = "infra/chat_templates/smollm2_tools.jinja"
 
     #: bearer token the bridge and the proxy demand on every route but ``GET /health``
     #: (None: no auth). ``SPANRL_AUTH_TOKEN``, or the file named by ``SPANRL_AUTH_TOKEN_FILE``

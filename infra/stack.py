@@ -28,6 +28,24 @@ from spanrl.schemas import topics as T
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def vllm_args(s: Settings, root: Path = ROOT) -> list[str]:
+    """The arguments of ``vllm.entrypoints.openai.api_server`` the stack starts vLLM with.
+
+    fp32 and eager mode (the CPU build, DEVELOPERS.md); with ``s.vllm_tool_call_parser`` set,
+    ``--enable-auto-tool-choice --tool-call-parser NAME`` (vLLM docs, "Tool Calling": without a
+    parser vLLM refuses ``tools`` with ``tool_choice`` auto, required or named with 400); with
+    ``s.vllm_chat_template`` set, ``--chat-template PATH`` (relative paths from ``root``).
+    """
+    args = ["--model", str(s.model_dir), "--served-model-name", s.model_name, "--host", s.host,
+            "--port", str(s.vllm_port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "2048", "--disable-uvicorn-access-log"]
+    if s.vllm_tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", s.vllm_tool_call_parser]
+    if s.vllm_chat_template:
+        args += ["--chat-template", str(root / s.vllm_chat_template)]
+    return args
+
+
 class StackError(RuntimeError):
     """A component failed to start or to become healthy; the message names it and its log."""
 
@@ -121,10 +139,7 @@ class Stack:
             ),
             Component(
                 "vllm",
-                py + ["spanrl.infra.vllm_server", "--model", str(s.model_dir),
-                      "--served-model-name", s.model_name, "--host", s.host,
-                      "--port", str(s.vllm_port), "--dtype", "float32", "--enforce-eager",
-                      "--max-model-len", "2048", "--disable-uvicorn-access-log"],
+                py + ["spanrl.infra.vllm_server", *vllm_args(s)],
                 env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1",
                      "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                      "OMP_NUM_THREADS": os.environ.get("SPANRL_VLLM_THREADS", "2")},
@@ -223,12 +238,16 @@ class Stack:
         return self.components[name].health()
 
     def start(self, name: str, extra_env: dict[str, str] | None = None) -> None:
-        """Start one component (no-op if it is already running) and wait for its health.
+        """Start one component (if it is already running and healthy, only its idempotent
+        ``after_start`` set-up runs again: topics and buckets that are missing are created)
+        and wait for its health.
 
         Raises StackError (with the tail of its log) if it exits or stays unhealthy.
         """
         comp = self.components[name]
         if self.running(name) and comp.health():
+            if comp.after_start:  # idempotent set-up (missing topics, buckets): a stack started
+                comp.after_start()  # before schemas/topics.py declared a topic gets it now
             return
         self.logs.mkdir(parents=True, exist_ok=True)
         self.pids.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,12 @@
 
 Promise: a client that got a 2xx finds its spans in Kafka (we answer only after the
 broker acknowledged every record). Spans that cannot be used go to dead-letter with a
-reason code and are reported back as ``partial_success.rejected_spans``. Records
+reason code and are reported back as ``partial_success.rejected_spans``. A span without
+``spanrl.rollout_id`` but with a trace id (an agent framework's own instrumentation, no
+spanrl rollout context) goes to ``orphan-spans`` keyed by trace id: the stream app joins it
+to the rollout of a proxy call of the same trace, or dead-letters it ``no_rollout_id`` after
+``SPANRL_ORPHAN_TIMEOUT_S`` (stream_jobs/joining.py): the bridge alone cannot know which
+rollout a trace belongs to, since the proxy sees the call, and its record is in Kafka. Records
 waiting for acks are bounded (``SPANRL_BRIDGE_MAX_INFLIGHT_BYTES``): a request that would
 go over is answered 503 ``buffer_full`` + Retry-After at once, before anything is sent.
 With ``SPANRL_AUTH_TOKEN`` set, every route but ``GET /health`` needs the bearer token.
@@ -166,21 +171,23 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
         for c in convert_request(req):
             topics = eval_topics if c.record_to == "eval" else train_topics
             if c.span is not None:
+                # an orphan (no rollout id) waits on orphan-spans, keyed by its trace id, for the
+                # stream app to join it to the rollout of a proxy call of that trace
+                spans, key = (topics.orphan_spans, c.span["trace_id"]) if c.orphan else (topics.spans, c.rollout_id)
                 try:
-                    value = codec.encode(topics.spans.record, c.span)
-                    if not claims.fits(len(value), topics.spans.max_message_bytes):
+                    value = codec.encode(spans.record, c.span)
+                    if not claims.fits(len(value), spans.max_message_bytes):
                         try:  # claim-check: the record goes to MinIO, a small span with its ref to Kafka
-                            value = await claims.check_in(claim_client, payload_bucket, topics.spans,
-                                                          c.rollout_id, c.span, value)
+                            value = await claims.check_in(claim_client, payload_bucket, spans, key, c.span, value)
                         except claims.ClaimStoreUnavailable as exc:
                             return error(503, "claim_store_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
                         metrics["claims"] += 1
-                    if not claims.fits(len(value), topics.spans.max_message_bytes):
+                    if not claims.fits(len(value), spans.max_message_bytes):
                         c = Converted(c.rollout_id, dead_reason="oversize", raw=b"", record_to=c.record_to,
                                       dead_detail=f"span claim record {len(value)} bytes > "
-                                                  f"{topics.spans.max_message_bytes - claims.CLAIM_MARGIN_BYTES}")
+                                                  f"{spans.max_message_bytes - claims.CLAIM_MARGIN_BYTES}")
                     else:
-                        items.append((topics.spans, c.rollout_id, value))
+                        items.append((spans, key, value))
                         if c.reward is not None:
                             items.append((topics.rewards, c.rollout_id, codec.encode(topics.rewards.record, c.reward)))
                 except codec.SchemaError as exc:
@@ -194,6 +201,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             return failed
         n_spans = sum(1 for t, _, _ in items if t in (train_topics.spans, eval_topics.spans))
         metrics["spans"] += n_spans
+        metrics["orphan_spans"] += sum(1 for t, _, _ in items if t == train_topics.orphan_spans)
         metrics["rewards"] += sum(1 for t, _, _ in items if t in (train_topics.rewards, eval_topics.rewards))
         for reason, n in rejected.items():
             metrics[f"dead_letter.{reason}"] += n

@@ -10,13 +10,14 @@ compared in constant time and never logged or echoed.
 from __future__ import annotations
 
 import hmac
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from fastapi.exceptions import RequestValidationError
 from pydantic import SecretStr
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:  # the agent side (instrument, runner) uses the token helpers without FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from starlette.responses import Response
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 MISSING_TOKEN = "missing_token"
 INVALID_TOKEN = "invalid_token"
@@ -101,6 +102,8 @@ def install_error_handlers(app, error: Callable[..., Response]) -> None:
     """Answer FastAPI's own 4xx through the service's ``error(status, reason, detail, headers)``,
     so they are counted in /metrics and keep the service's error shape. FastAPI's default
     422 echoes the input, which fails on a lone surrogate in it; ours does not echo."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError) -> Response:

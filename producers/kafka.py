@@ -34,6 +34,8 @@ class Topics:
     rollouts: Topic = topics.ROLLOUTS
     tasks: Topic = topics.TASKS
     dead_letter: Topic = topics.DEAD_LETTER
+    #: spans without a rollout id, keyed by trace id (the stream app joins them by trace)
+    orphan_spans: Topic = topics.ORPHAN_SPANS
 
     @classmethod
     def with_prefix(cls, prefix: str, base: "Topics | None" = None) -> "Topics":

@@ -29,7 +29,11 @@ class OtlpError(ValueError):
 
 @dataclass
 class Converted:
-    """One span's outcome: a Span record (and Reward), or a dead-letter reason."""
+    """One span's outcome: a Span record (and Reward), or a dead-letter reason.
+
+    ``orphan``: the span carries no rollout id but a valid trace id; ``span`` is its record
+    with ``rollout_id = attempt_id = ""``, for the ``orphan-spans`` topic keyed by
+    ``span["trace_id"]`` (the stream app joins it by trace id, stream_jobs/joining.py)."""
 
     rollout_id: str | None
     span: dict | None = None
@@ -38,6 +42,7 @@ class Converted:
     dead_detail: str = ""
     raw: bytes = b""  # the protobuf Span, kept for the dead-letter payload
     record_to: str | None = None  # "eval": an evaluation episode's span (spanrl.record_to)
+    orphan: bool = False
 
 
 def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 8 << 20) -> ExportTraceServiceRequest:
@@ -93,12 +98,22 @@ def stringify(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
+#: OpenInference's ``openinference.span.kind`` (OpenInference semantic conventions, "Span
+#: Kinds") -> spanrl's kind; its other kinds (CHAIN, RETRIEVER, EMBEDDING, RERANKER,
+#: GUARDRAIL, EVALUATOR) fall through to the name / gen_ai.* rules
+OPENINFERENCE_KINDS = {"LLM": "llm", "TOOL": "tool", "AGENT": "agent"}
+
+
 def span_kind(name: str, attrs: dict[str, object]) -> str:
-    """llm | tool | reward | agent | other, from the span name and gen_ai.* attributes."""
+    """llm | tool | reward | agent | other, from the span name, OpenInference's
+    ``openinference.span.kind`` (:data:`OPENINFERENCE_KINDS`) and gen_ai.* attributes."""
     lname = name.lower()
     op = str(attrs.get("gen_ai.operation.name", ""))
     if name == keys.REWARD_SPAN:
         return "reward"
+    oi_kind = OPENINFERENCE_KINDS.get(str(attrs.get("openinference.span.kind", "")).upper())
+    if oi_kind is not None:
+        return oi_kind
     if op == "execute_tool" or lname.startswith("tool") or any(k.startswith("gen_ai.tool.") for k in attrs):
         return "tool"
     if op in ("invoke_agent", "create_agent") or lname.startswith("agent"):
@@ -195,8 +210,25 @@ def span_agent_name(attrs: dict[str, object], resource_attrs: dict[str, object] 
     return None
 
 
+def orphan_refusal(trace_id: bytes, kind: str, record_to: object) -> str | None:
+    """Why a span without a rollout id cannot wait on ``orphan-spans`` to join a rollout by
+    its trace (dead-letter ``no_rollout_id`` at once), or None when it can. It cannot with an
+    invalid trace id (not 16 bytes, or all zero: W3C Trace Context s3.2.2.3), as a reward
+    (a reward names its rollout; emit_reward outside rollout_context() is refused already),
+    nor as an evaluation span (``spanrl.record_to=eval``: nothing joins on the eval topics)."""
+    if len(trace_id) != 16 or not any(trace_id):
+        return "and no valid trace id to join a rollout by"
+    if kind == "reward":
+        return "and a reward must name its rollout"
+    if record_to == "eval":
+        return "and evaluation spans are not joined by trace"
+    return None
+
+
 def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
-    """One OTLP span -> Span record (+ Reward for a reward span) or a dead-letter reason."""
+    """One OTLP span -> Span record (+ Reward for a reward span), an orphan Span record
+    (no rollout id, a valid trace id: :func:`orphan_refusal`; ``Converted.orphan``) or a
+    dead-letter reason."""
     attrs = {kv.key: any_value(kv.value) for kv in pb.attributes}
     raw = pb.SerializeToString()
 
@@ -204,14 +236,20 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
         return attrs.get(key, resource_attrs.get(key))
 
     rollout_id = lookup(keys.ROLLOUT_ID)
-    if not isinstance(rollout_id, str) or not rollout_id:
-        return Converted(None, dead_reason="no_rollout_id",
-                         dead_detail=f"span {pb.name!r} has no {keys.ROLLOUT_ID} attribute", raw=raw)
-    attempt = lookup(keys.ATTEMPT_ID)
-    attempt_id = "0" if attempt is None else (attempt if isinstance(attempt, str) else stringify(attempt))
+    kind = span_kind(pb.name, attrs)
+    record_to = lookup(keys.RECORD_TO)
+    orphan = not isinstance(rollout_id, str) or not rollout_id
+    if orphan:
+        why = orphan_refusal(pb.trace_id, kind, record_to)
+        if why is not None:
+            return Converted(None, dead_reason="no_rollout_id",
+                             dead_detail=f"span {pb.name!r} has no {keys.ROLLOUT_ID} attribute, {why}", raw=raw)
+        rollout_id = attempt_id = ""  # filled in when the stream app joins it by trace id
+    else:
+        attempt = lookup(keys.ATTEMPT_ID)
+        attempt_id = "0" if attempt is None else (attempt if isinstance(attempt, str) else stringify(attempt))
     seq = _as_int(lookup(keys.SEQUENCE_ID))
     agent = span_agent_name(attrs, resource_attrs)
-    kind = span_kind(pb.name, attrs)
     llm = llm_from_attrs(attrs, pb.span_id.hex()) if kind == "llm" else None
     span = {
         "rollout_id": rollout_id,
@@ -232,7 +270,8 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
         "llm": llm,
         "payload_ref": None,
     }
-    record_to = lookup(keys.RECORD_TO)
+    if orphan:
+        return Converted(None, span=span, raw=raw, orphan=True)
     out = Converted(rollout_id, span=span, raw=raw, record_to=record_to if record_to == "eval" else None)
     if kind == "reward":
         try:

@@ -15,6 +15,10 @@ The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evalu
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
 ``agent`` (the client's own sampling) or a temperature every call gets (``0``: greedy).
 
+Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
+(their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
+(producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids.
+
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
 restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
@@ -45,7 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, streaming
+from spanrl.producers import claims, edge, messages, streaming
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
 from spanrl.schemas import codec
@@ -111,6 +115,11 @@ def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_
     """The LlmCall record of choice ``choice`` (position in ``choices``) of one vLLM answer;
     with ``n`` > 1 each choice is its own call (same prompt token ids, its own completion).
     A streamed answer, assembled by ``streaming.StreamAccumulator``, has the same shape.
+
+    A tool-call answer is recorded like any other: its completion token ids are the text
+    vLLM's tool-call parser read the calls from (``<tool_call>{...}</tool_call>`` with the
+    ``hermes`` parser), and ``finish_reason`` is vLLM's (``tool_calls`` for ``tool_choice``
+    auto/required, ``stop`` for a named ``tool_choice``, as OpenAI's API does).
 
     vLLM 0.32 fields used (with ``return_token_ids: true`` and logprobs asked):
       chat:        response.prompt_token_ids, choices[k].token_ids,
@@ -314,6 +323,8 @@ class CallContext:
     agent: str | None
     trace: tuple[str, str] | None
     start_ns: int
+    #: the client spoke Anthropic Messages (served as this chat call, producers/messages.py)
+    messages_api: bool = False
 
 
 class PolicyVersionIn(BaseModel):
@@ -405,12 +416,18 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     edge.install_error_handlers(app, error)
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
-                   topics: Topics = train_topics, sampling: str | None = None) -> Response:
+                   topics: Topics = train_topics, sampling: str | None = None,
+                   messages_api: bool = False) -> Response:
+        """``messages_api``: the body is an Anthropic Messages request, served as a chat call
+        (producers/messages.py) and answered as a Messages answer."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
             body = parse_body(request.headers.get("content-type"), await request.body())
+            if messages_api:
+                metrics["messages_requests"] += 1
+                body = messages.chat_request(body)
             if sampling is not None and sampling != "agent":
                 temperature = eval_temperature(sampling)
                 if temperature is None:
@@ -419,7 +436,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                 body["temperature"] = temperature
             check_n(body)
             streamed = check_stream(body)
-        except BadRequest as exc:
+        except (BadRequest, messages.MessagesError) as exc:
             return error(exc.status, exc.reason, exc.detail)
         if body.get("model") != model_name:
             return error(404, "model_not_found", f"model {body.get('model')!r} is not served; use {model_name!r}")
@@ -428,7 +445,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
         ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
-                          parse_traceparent(request.headers.get("traceparent")), time.time_ns())
+                          parse_traceparent(request.headers.get("traceparent")), time.time_ns(), messages_api)
         if streamed:
             return await stream(ctx, path)
         try:
@@ -444,7 +461,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except RecordFailed as exc:
             return error(exc.status, exc.reason, exc.detail,
                          {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None)
-        return JSONResponse(strip_response(endpoint, body, response))
+        answer = strip_response(endpoint, body, response)
+        return JSONResponse(messages.message_response(answer) if messages_api else answer)
 
     def vllm_unavailable(exc: httpx.TransportError) -> Response:
         if vllm_lost(exc) and policy.vllm_unreachable():
@@ -453,7 +471,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                      {"Retry-After": RETRY_AFTER_S})
 
     def base_span(ctx: CallContext, sequence_id: int | None, response: dict, choice: int) -> dict:
-        return {
+        span = {
             "rollout_id": ctx.rollout_id, "attempt_id": ctx.attempt_id, "sequence_id": sequence_id,
             "trace_id": ctx.trace[0] if ctx.trace else secrets.token_hex(16),
             "span_id": secrets.token_hex(8),
@@ -464,6 +482,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             "attributes": span_attributes(ctx.endpoint, ctx.body, response, ctx.agent, choice),
             "llm": None, "payload_ref": None,
         }
+        if ctx.messages_api:
+            span["attributes"]["spanrl.api"] = "anthropic.messages"
+        return span
 
     def dead_letter(topics: Topics, reason: str, detail: str, rollout_id: str, payload: dict) -> tuple:
         metrics[f"dead_letter.{reason}"] += 1
@@ -565,6 +586,16 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
 
+    # Anthropic Messages: the client's base URL is the prefix without /v1 (the SDK adds /v1/messages)
+    @app.post(prefix + "/messages")
+    async def anthropic_messages(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, messages_api=True)
+
+    @app.post(eval_prefix + "/messages")
+    async def eval_anthropic_messages(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
+                          messages_api=True)
+
     @app.post(eval_prefix + "/chat/completions")
     async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
         return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling)
@@ -661,8 +692,40 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
         attrs["spanrl.choice_index"] = str(mine.get("index", choice))
     if body.get("stream"):
         attrs["spanrl.streamed"] = "true"
+    attrs.update(tool_attributes(body, response, choice))
     if agent:
         attrs["spanrl.agent_name"] = agent
+    return attrs
+
+
+def _function_name(item) -> str | None:
+    """``item["function"]["name"]`` of an OpenAI tool or tool call, None when it has none."""
+    function = item.get("function") if isinstance(item, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def tool_attributes(body: dict, response: dict, choice: int = 0) -> dict[str, str]:
+    """Span attributes of a chat call's tools (none when it offered and called no tool).
+
+    ``spanrl.tools``: JSON list of the offered functions' names (``body["tools"]``);
+    ``spanrl.tool_choice``: the request's ``tool_choice`` as JSON (``"auto"``, ``"required"``,
+    ``{"type": "function", "function": {"name": ...}}``); ``spanrl.tool_calls``: JSON list of
+    the names of the functions choice ``choice`` called (``choices[choice].message.tool_calls``,
+    as vLLM's tool-call parser read them from the completion). Malformed entries are skipped.
+    """
+    attrs: dict[str, str] = {}
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        attrs["spanrl.tools"] = json.dumps([n for n in map(_function_name, tools) if n is not None])
+    if body.get("tool_choice") is not None:
+        attrs["spanrl.tool_choice"] = json.dumps(body["tool_choice"])
+    choices = response.get("choices") or []
+    mine = choices[choice] if choice < len(choices) and isinstance(choices[choice], dict) else {}
+    message = mine.get("message")
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if isinstance(calls, list) and calls:
+        attrs["spanrl.tool_calls"] = json.dumps([n for n in map(_function_name, calls) if n is not None])
     return attrs
 
 

@@ -39,6 +39,7 @@ RECORD_NAMES = {
     "checkpoint": "spanrl.CheckpointAnnouncement",
     "dead_letter": "spanrl.DeadLetter",
     "call_account": "spanrl.CallAccount",
+    "trace_link": "spanrl.TraceLink",
 }
 #: record types another record type refers to by name (parsed first)
 _DEPENDS = {"sample": ("transition",)}

@@ -52,6 +52,11 @@ CHECKPOINTS = Topic("checkpoints", "run", "checkpoint", 1, retention_ms=-1, comp
 DEAD_LETTER = Topic("dead-letter", "rollout_id", "dead_letter", 1, retention_ms=-1)
 #: one record per ended attempt: each LLM call, its resolved agent, trained or not (selective training)
 CALL_ACCOUNTS = Topic("call-accounts", "rollout_id", "call_account", ROLLOUT_PARTITIONS, retention_ms=-1)
+#: OTLP spans that carry no rollout id (a framework's own instrumentation, no spanrl rollout
+#: context), keyed by trace id: the stream app joins them to the rollout attempt of a proxy
+#: call of the same trace and writes them to ``spans`` (stream_jobs/joining.py), or
+#: dead-letters them ``no_rollout_id``. Not a replay source: what joined is on ``spans``.
+ORPHAN_SPANS = Topic("orphan-spans", "trace_id", "span", ROLLOUT_PARTITIONS)
 
 
 
@@ -74,5 +79,5 @@ TRAINING_INPUTS = (SPANS, REWARDS, ROLLOUTS)
 EVAL_TOPICS = (SPANS_EVAL, REWARDS_EVAL, ROLLOUTS_EVAL, DEAD_LETTER_EVAL)
 
 ALL: tuple[Topic, ...] = (SPANS, REWARDS, ROLLOUTS, TASKS, TRANSITIONS, SAMPLES, CHECKPOINTS, DEAD_LETTER, CALL_ACCOUNTS,
-                          *EVAL_TOPICS)
+                          ORPHAN_SPANS, *EVAL_TOPICS)
 BY_NAME = {t.name: t for t in ALL}

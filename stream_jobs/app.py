@@ -5,7 +5,9 @@
 Agent ``assemble``: spans + rewards + rollouts (co-partitioned by rollout_id) ->
 per-rollout state in a table -> transitions (key task_id).
 Agent ``group``: transitions -> per-task group state in a table -> samples (key task_id).
-Both -> dead-letter (key rollout_id). See stream_jobs/README.md.
+Agent ``join``: orphan-spans (no rollout id) + trace links (key trace_id) -> per-trace state
+in a table -> joined spans back into spans (key rollout_id) (stream_jobs/joining.py).
+All -> dead-letter (key rollout_id). See stream_jobs/README.md.
 
 Plumbing only: every decision is made by the pure functions.
 """
@@ -25,7 +27,7 @@ from faust.streams import current_event
 
 from spanrl.producers import claims
 from spanrl.schemas import codec, topics
-from spanrl.stream_jobs import assembly, grouping
+from spanrl.stream_jobs import assembly, grouping, joining
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.credit import parse_credit_rule
@@ -48,6 +50,11 @@ class StreamConfig:
     samples_topic: str = topics.SAMPLES.name
     dead_letter_topic: str = topics.DEAD_LETTER.name
     call_accounts_topic: str = topics.CALL_ACCOUNTS.name
+    orphan_spans_topic: str = topics.ORPHAN_SPANS.name
+    #: join spans without a rollout id to the rollout of a proxy call of their trace
+    #: (``SPANRL_STREAM_JOIN_TRACES``; a replay turns it off: what joined is on spans already)
+    join_traces: bool = True
+    orphan_timeout_s: float = 300.0
     credit_rule: str = "identical"
     #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
     train_agents: assembly.AgentSelector | None = None
@@ -83,6 +90,9 @@ class StreamConfig:
             samples_topic=g("SPANRL_SAMPLES_TOPIC", topics.SAMPLES.name),
             dead_letter_topic=g("SPANRL_DEAD_LETTER_TOPIC", topics.DEAD_LETTER.name),
             call_accounts_topic=g("SPANRL_CALL_ACCOUNTS_TOPIC", topics.CALL_ACCOUNTS.name),
+            orphan_spans_topic=g("SPANRL_ORPHAN_SPANS_TOPIC", topics.ORPHAN_SPANS.name),
+            join_traces=g("SPANRL_STREAM_JOIN_TRACES", "true").strip().lower() not in ("0", "false", "no", "off"),
+            orphan_timeout_s=float(g("SPANRL_ORPHAN_TIMEOUT_S", "300")),
             credit_rule=g("SPANRL_CREDIT_RULE", "identical"),
             train_agents=agents,
             reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),
@@ -236,11 +246,12 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
         settle_s=cfg.settle_s, max_call_bytes=max_call_bytes())
     grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)
+    join_cfg = joining.JoinConfig(orphan_timeout_s=cfg.orphan_timeout_s, orphan_topic=cfg.orphan_spans_topic)
     rollout_partitions = topics.SPANS.partitions
     task_partitions = topics.TRANSITIONS.partitions
     counters: Counter = Counter()
     # ticks judge timeouts behind the wall clock while a backlog is read (stream_jobs/clock.py)
-    rollout_clock, group_clock = TimeoutClock(), TimeoutClock()
+    rollout_clock, group_clock, join_clock = TimeoutClock(), TimeoutClock(), TimeoutClock()
     dead_reasons: Counter = Counter()
     agent_counts: Counter = Counter()  # (agent, trained | excluded) -> calls
 
@@ -254,6 +265,12 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     samples_out = app.topic(cfg.samples_topic, **raw)
     dead_out = app.topic(cfg.dead_letter_topic, **raw)
     accounts_out = app.topic(cfg.call_accounts_topic, **raw)
+    spans_out = app.topic(cfg.spans_topic, **raw)  # joined spans (stream_jobs/joining.py)
+    # the trace join's repartition topic: proxy calls' (trace id -> rollout attempt), keyed by
+    # trace id like orphan-spans; private to the app (named by its id) like the tick topics
+    trace_links = app.topic(f"{cfg.app_id}-trace-links", **raw)
+    join_ticks = app.topic(f"{cfg.app_id}-join-ticks", **raw)
+    tick_topics = [rollout_ticks, task_ticks] + ([join_ticks] if cfg.join_traces else [])
 
     # Faust serializes a table's changelog with the serializer it derives from the Table's
     # own key_type/value_type (bytes -> raw, else json), not with a Schema's serializers,
@@ -266,6 +283,9 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     group_transitions = app.Table("group-transitions", partitions=task_partitions, default=None,
                                   key_type=str, value_type=None)
     group_transitions.value_serializer = "spanrl_transition"  # read when its changelog topic is made
+    # trace join: state per trace id (json), and the records of orphans waiting for a link (raw)
+    traces = app.Table("traces", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
+    orphans = app.Table("orphans", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
     claim_client = claims.make_client()
 
     async def send_dead(records: list[dict], message=None, payload: bytes | None = None) -> None:
@@ -346,12 +366,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         async for event in stream.events():
             msg = event.message
             now = _now_ms()
-            if msg.topic == rollout_ticks.get_topic_name():
-                tick_now = rollout_clock.tick_now(msg.partition, now)
-                if tick_now is not None:
-                    await _tick_rollouts(msg.partition, tick_now)
+            if await _ticked(msg, now, rollout_ticks, rollout_clock, rollouts, _tick_rollout):
                 continue
-            rollout_clock.saw_input(msg.partition, now, _record_ms(msg))
             record_type, counter = kinds[msg.topic]
             counters[counter] += 1
             try:
@@ -368,6 +384,11 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                     continue
                 now = _now_ms()
             state = rollouts.get(rid) or assembly.new_state(rid, msg.partition)
+            if record_type == "span" and cfg.join_traces:
+                link = joining.trace_link(record, now)
+                if link is not None:  # re-keyed by trace id for the join agent
+                    await trace_links.send(key=link["trace_id"].encode(), value=codec.encode("trace_link", link))
+                    counters["trace_links_out"] += 1
             if record_type == "span":
                 out = assembly.add_span(state, record, calls, assembly_cfg, now)
             elif record_type == "reward":
@@ -383,20 +404,23 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             await send_dead(out.dead_letters)
             await send_accounts(out.accounts)
 
-    async def _tick_rollouts(partition: int, now: int) -> None:
-        for rid in list(rollouts.keys()):
-            state = rollouts.get(rid)
-            if state is None or state.get("partition") != partition:
-                continue
-            if assembly.expired(state, now, cfg.retain_s):
-                del rollouts[rid]
-                continue
-            out = assembly.advance(state, calls, assembly_cfg, now)
-            if out.changed:
-                rollouts[rid] = state
-                await send_transitions(out.transitions)
-                await send_dead(out.dead_letters)
-                await send_accounts(out.accounts)
+    async def _tick_rollout(rid: str, state: dict, now: int) -> None:
+        if assembly.expired(state, now, cfg.retain_s):
+            del rollouts[rid]
+            return
+        out = assembly.advance(state, calls, assembly_cfg, now)
+        if out.changed:
+            rollouts[rid] = state
+            await send_transitions(out.transitions)
+            await send_dead(out.dead_letters)
+            await send_accounts(out.accounts)
+
+    async def _tick_group(tid: str, state: dict, now: int) -> None:
+        out = grouping.advance(state, group_transitions, grouping_cfg, now)
+        if out.samples or out.dead_letters:
+            groups[tid] = state
+            await send_samples(out.samples)
+            await send_dead(out.dead_letters)
 
     @app.agent(app.topic(cfg.transitions_topic, task_ticks.get_topic_name(), internal=True,
                          partitions=task_partitions, **raw))
@@ -404,19 +428,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         async for event in stream.events():
             msg = event.message
             now = _now_ms()
-            if msg.topic == task_ticks.get_topic_name():
-                tick_now = group_clock.tick_now(msg.partition, now)
-                for tid in list(groups.keys()) if tick_now is not None else ():
-                    state = groups.get(tid)
-                    if state is None or state.get("partition") != msg.partition:
-                        continue
-                    out = grouping.advance(state, group_transitions, grouping_cfg, tick_now)
-                    if out.samples or out.dead_letters:
-                        groups[tid] = state
-                        await send_samples(out.samples)
-                        await send_dead(out.dead_letters)
+            if await _ticked(msg, now, task_ticks, group_clock, groups, _tick_group):
                 continue
-            group_clock.saw_input(msg.partition, now, _record_ms(msg))
             try:
                 tr = codec.decode("transition", msg.value)
             except codec.SchemaError as exc:
@@ -428,6 +441,47 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             groups[tr["task_id"]] = state
             await send_samples(out.samples)
             await send_dead(out.dead_letters)
+
+    async def send_joined(records: list[dict]) -> None:
+        for sp in records:
+            await spans_out.send(key=sp["rollout_id"].encode(), value=codec.encode("span", sp))
+            counters["spans_joined"] += 1
+
+    async def _tick_trace(tid: str, state: dict, now: int) -> None:
+        if joining.expired(state, now, cfg.retain_s):
+            del traces[tid]
+            return
+        out = joining.advance(state, orphans, join_cfg, now)
+        if out.changed:
+            traces[tid] = state
+            await send_dead(out.dead_letters)
+
+    async def join(stream):
+        async for event in stream.events():
+            msg = event.message
+            now = _now_ms()
+            if await _ticked(msg, now, join_ticks, join_clock, traces, _tick_trace):
+                continue
+            is_orphan = msg.topic == cfg.orphan_spans_topic
+            counters["orphans_in" if is_orphan else "trace_links_in"] += 1
+            try:
+                record = codec.decode("span" if is_orphan else "trace_link", msg.value)
+            except codec.SchemaError as exc:
+                await send_dead([dl.dead_letter(exc.reason, dl.JOINER, now, detail=exc.detail)], msg, msg.value)
+                continue
+            tid = record["trace_id"]
+            state = traces.get(tid) or joining.new_state(tid, msg.partition)
+            if is_orphan:
+                out = joining.add_orphan(state, record, msg.value, msg.offset, orphans, now)
+            else:
+                out = joining.add_link(state, record, orphans, now)
+            if out.changed:
+                traces[tid] = state
+            await send_joined(out.spans)
+
+    if cfg.join_traces:  # co-partitioned by trace id; the tick topic gets their partition count
+        app.agent(app.topic(cfg.orphan_spans_topic, trace_links.get_topic_name(), join_ticks.get_topic_name(),
+                            internal=True, partitions=rollout_partitions, **raw))(join)
 
     ticker: dict[str, Any] = {}
 
@@ -443,7 +497,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap)
                 await producer.start()
                 ticker["producer"] = producer
-            for name in (rollout_ticks.get_topic_name(), task_ticks.get_topic_name()):
+            for name in (t.get_topic_name() for t in tick_topics):
                 for p in sorted(await producer.partitions_for(name)):
                     await producer.send(name, b"", partition=p)
         except Exception:  # a missed tick only delays timeouts; never crash the worker
@@ -464,6 +518,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             "dead_letters_out": dict(dead_reasons),
             "call_accounts_out": counters["call_accounts_out"],
             "calls_by_agent": {f"{agent}|{how}": n for (agent, how), n in sorted(agent_counts.items())},
+            "trace_links_out": counters["trace_links_out"], "trace_links_in": counters["trace_links_in"],
+            "orphans_in": counters["orphans_in"], "spans_joined": counters["spans_joined"],
         })
 
     @app.page("/spanrl/health/")
@@ -479,6 +535,23 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     app.spanrl_config = cfg  # for introspection in tests
     return app
+
+
+async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle) -> bool:
+    """Whether ``msg`` is a record of the tick topic ``ticks``. A tick on partition p is
+    judged at ``clock``'s time for p (None: skipped) and ``await handle(key, state, time)``
+    runs for every state of ``table`` that lives on p (its changelog writes belong to p's
+    transaction); any other record is an input, noted by ``clock``."""
+    if msg.topic != ticks.get_topic_name():
+        clock.saw_input(msg.partition, now, _record_ms(msg))
+        return False
+    tick_now = clock.tick_now(msg.partition, now)
+    if tick_now is not None:
+        for key in list(table.keys()):
+            state = table.get(key)
+            if state is not None and state.get("partition") == msg.partition:
+                await handle(key, state, tick_now)
+    return True
 
 
 def _record_ms(msg) -> int | None:

@@ -19,6 +19,8 @@ ROLLOUT_TIMEOUT = "rollout_timeout"            # no terminal lifecycle event in 
 UNKNOWN_ROLLOUT = "unknown_rollout"            # timed out having seen no lifecycle event and no llm call
 LATE_SPAN = "late_span"                        # llm call of an attempt already emitted/dead-lettered
 LATE_REWARD = "late_reward"                    # reward for an attempt already emitted/dead-lettered
+# --- joiner (stage "joiner") ---
+NO_ROLLOUT_ID = "no_rollout_id"                # orphan span: no proxy call of its trace in time
 # --- grouper (stage "grouper") ---
 GROUP_INCOMPLETE = "group_incomplete"          # rollout still incomplete when its group closed
 SUPERSEDED_ATTEMPT = "superseded_attempt"      # another attempt of the same rollout is in the group
@@ -26,6 +28,7 @@ GROUP_CLOSED = "group_closed"                  # transition of a rollout whose g
 
 ASSEMBLER = "assembler"
 GROUPER = "grouper"
+JOINER = "joiner"
 
 
 def dead_letter(

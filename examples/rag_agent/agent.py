@@ -17,7 +17,8 @@ back to the question.
 Tool path (``tool_mode=True``, for tool-capable models): one agent ``researcher`` with
 the same search as an Agents SDK ``@function_tool`` named ``search``; its first turn is
 forced to call it (``ModelSettings(tool_choice="search")``, which vLLM honours with any
-model through structured output once it runs with ``--tool-call-parser``; the SDK
+model through structured output: the stack runs it with ``--tool-call-parser hermes``; the
+query's ``maxLength`` keeps the forced call within ``max_tokens``; the SDK
 resets the choice after the call); a third
 search is refused; at most :data:`MAX_SEARCHES` + 2 model calls.
 
@@ -37,12 +38,13 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel, RunConfig,
                     RunContextWrapper, Runner, function_tool, trace)
 from openai import AsyncOpenAI
+from pydantic import Field
 
 from . import corpus
 from .reward import extract_answer, reward
@@ -54,6 +56,10 @@ TOP_K = 3
 MAX_SEARCHES = 2
 MAX_PASSAGES = 5
 MAX_QUERY_WORDS = 8
+#: the search tool's ``query`` schema has ``maxLength`` this: vLLM constrains a forced call's
+#: arguments to the (strict) schema, so the call ends within ``MAX_TOKENS`` (an unbounded
+#: string from the base model ran past 64 tokens in 1 of 8 runs and no call was parsed)
+MAX_QUERY_CHARS = 40
 WORKFLOW = "rag_agent"
 
 QUERY_WRITER = "query_writer"
@@ -158,7 +164,7 @@ class SearchLog:
 
 
 @function_tool(name_override="search")
-def search_tool(ctx: RunContextWrapper[SearchLog], query: str) -> str:
+def search_tool(ctx: RunContextWrapper[SearchLog], query: Annotated[str, Field(max_length=MAX_QUERY_CHARS)]) -> str:
     """Search an encyclopedia of countries and cities; returns the best passages.
 
     Args:

@@ -9,7 +9,11 @@ Runs ``python -m spanrl.stream_jobs.app worker`` as a subprocess on private topi
   spanrl.producers.bridge``): claim-checked into MinIO, resolved by the worker, full token ids
   in the transition; claims to a missing or altered object -> ``claim_unresolved``;
 - a worker SIGKILLed with a call pending: the restarted worker recovers its tables
-  from the changelogs and emits the call.
+  from the changelogs and emits the call;
+- a real ``openai`` client instrumented only by OpenInference's OpenAI instrumentor (a plain
+  TracerProvider exporting to the bridge, no spanrl rollout context) calling the proxy
+  (``python -m spanrl.producers.proxy``, the stack's vLLM behind it): its spans join the call's
+  rollout by trace id, one transition, and a trace without a proxy call ends ``no_rollout_id``.
 """
 from __future__ import annotations
 
@@ -131,7 +135,7 @@ async def _admin(op, names, app_id=None):
         if op == "create":
             base = {"spans": topics.SPANS, "rewards": topics.REWARDS, "rollouts": topics.ROLLOUTS,
                     "transitions": topics.TRANSITIONS, "samples": topics.SAMPLES,
-                    "dead-letter": topics.DEAD_LETTER}
+                    "dead-letter": topics.DEAD_LETTER, "orphan-spans": topics.ORPHAN_SPANS}
             await admin.create_topics([NewTopic(names[k], t.partitions, 1, topic_configs=t.config())
                                        for k, t in base.items()])
         else:
@@ -153,8 +157,7 @@ def kafka_minio(settings):
 
 def test_stream_app_end_to_end(tmp_path, kafka_minio):
     suffix = uuid.uuid4().hex[:8]
-    names = {k: f"sjtest-{suffix}-{k}" for k in
-             ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter", "call-accounts")}
+    names = _names(suffix)
     app_id = f"sjtest-stream-{suffix}"
     web_port = _free_port()
     asyncio.run(_admin("create", names))
@@ -162,7 +165,7 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
            "SPANRL_SPANS_TOPIC": names["spans"], "SPANRL_REWARDS_TOPIC": names["rewards"],
            "SPANRL_ROLLOUTS_TOPIC": names["rollouts"], "SPANRL_TRANSITIONS_TOPIC": names["transitions"],
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
-           "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"],
+           "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"], "SPANRL_ORPHAN_SPANS_TOPIC": names["orphan-spans"],
            "SPANRL_REWARD_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "60"}
     log = open(tmp_path / "worker.log", "wb")
     # cwd: Faust writes <app_id>-data into the working directory
@@ -222,13 +225,18 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
     assert counters == {"spans_in": 17, "rewards_in": 4, "rollout_events_in": 8,
                         "transitions_out": 8, "samples_out": 8,
                         "dead_letters_out": {"schema_error": 1},
-                        "call_accounts_out": 4, "calls_by_agent": {"solver|trained": 8}}
+                        "call_accounts_out": 4, "calls_by_agent": {"solver|trained": 8},
+                        # the test's spans have no trace parent: no trace links, nothing joined
+                        "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
 def _names(suffix: str) -> dict[str, str]:
+    """Private topics ``sjtest-<suffix>-<name>``: the bridge's ``--topic-prefix sjtest-<suffix>-``
+    writes the same names."""
     return {k: f"sjtest-{suffix}-{k}" for k in
-            ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter", "call-accounts")}
+            ("spans", "rewards", "rollouts", "transitions", "samples", "dead-letter", "call-accounts",
+             "orphan-spans")}
 
 
 def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **extra: str) -> subprocess.Popen:
@@ -236,7 +244,7 @@ def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **ext
            "SPANRL_SPANS_TOPIC": names["spans"], "SPANRL_REWARDS_TOPIC": names["rewards"],
            "SPANRL_ROLLOUTS_TOPIC": names["rollouts"], "SPANRL_TRANSITIONS_TOPIC": names["transitions"],
            "SPANRL_SAMPLES_TOPIC": names["samples"], "SPANRL_DEAD_LETTER_TOPIC": names["dead-letter"],
-           "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"],
+           "SPANRL_CALL_ACCOUNTS_TOPIC": names["call-accounts"], "SPANRL_ORPHAN_SPANS_TOPIC": names["orphan-spans"],
            "SPANRL_SETTLE_S": "1", "PYTHONPATH": str(REPO), **extra}
     # cwd: Faust writes <app_id>-data into the working directory
     return subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
@@ -274,7 +282,8 @@ async def _produce(records: list[tuple[str, str, bytes]]) -> None:
 
 async def _read(names: dict, kinds: tuple[str, ...], done, timeout_s: float) -> dict[str, list[dict]]:
     """Decoded records of ``names[kind]`` topics (read_committed) until ``done(got)``."""
-    record = {"spans": "span", "transitions": "transition", "samples": "sample", "dead-letter": "dead_letter"}
+    record = {"spans": "span", "transitions": "transition", "samples": "sample", "dead-letter": "dead_letter",
+              "call-accounts": "call_account"}
     consumer = AIOKafkaConsumer(*(names[k] for k in kinds), bootstrap_servers=get_settings().kafka_bootstrap,
                                 auto_offset_reset="earliest", isolation_level="read_committed",
                                 group_id=None, fetch_max_bytes=16 << 20, max_partition_fetch_bytes=16 << 20)
@@ -434,32 +443,41 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
 
 
 def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
-    """SIGKILL the worker while a rollout's first call waits in its tables; the next worker
-    (same app id) restores the tables from their changelogs and emits both calls."""
+    """SIGKILL the worker while a rollout's first call waits in its tables, and a span without
+    rollout id waits in the trace join's; the next worker (same app id) restores the tables
+    from their changelogs, emits both calls, and joins the span when the second call (same
+    trace) comes."""
     suffix = uuid.uuid4().hex[:8]
     names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
     asyncio.run(_admin("create", names))
-    rid = "rrec"
+    rid, trace = "rrec", "ab" * 16
     c0 = codec.encode("span", _span(rid, 0, "c0", prompt=(1, 2, 3), completion=(4, 5)))
-    c1 = codec.encode("span", _span(rid, 1, "c1", prompt=(6,), completion=(7, 8, 9)))
+    c1 = codec.encode("span", {**_span(rid, 1, "c1", prompt=(6,), completion=(7, 8, 9)),
+                               "trace_id": trace, "parent_span_id": "cd" * 8})
+    orphan = codec.encode("span", {**_span("", 0, "cd" * 8, kind="agent"), "attempt_id": "", "trace_id": trace,
+                                   "sequence_id": -1, "agent_name": "planner"})
     log = tmp_path / "worker.log"
     web_port = _free_port()
-    worker = _start_worker(names, app_id, web_port, log)
+    # the orphan must outlive the restart (the killed worker's membership expires after ~60 s)
+    worker = _start_worker(names, app_id, web_port, log, SPANRL_ORPHAN_TIMEOUT_S="600")
     try:
         _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
-        asyncio.run(_produce([_lifecycle(names, rid, "started", 2), (names["spans"], rid, c0)]))
+        asyncio.run(_produce([_lifecycle(names, rid, "started", 2), (names["spans"], rid, c0),
+                              (names["orphan-spans"], trace, orphan)]))
         deadline = time.monotonic() + 30
-        while asyncio.run(_committed(app_id, names["spans"])) < 1 and time.monotonic() < deadline:
+        while (asyncio.run(_committed(app_id, names["spans"])) < 1
+               or asyncio.run(_committed(app_id, names["orphan-spans"])) < 1) and time.monotonic() < deadline:
             time.sleep(0.2)  # the transaction with the span's offset (and its table writes) committed
-        assert _counters(web_port)["spans_in"] == 1
+        assert (_counters(web_port)["spans_in"], _counters(web_port)["orphans_in"]) == (1, 1)
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         web_port = _free_port()
-        worker = _start_worker(names, app_id, web_port, log)
+        worker = _start_worker(names, app_id, web_port, log, SPANRL_ORPHAN_TIMEOUT_S="600")
         _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
         asyncio.run(_produce([(names["spans"], rid, c1), _lifecycle(names, rid, "succeeded", 2),
                               _reward(names, rid, 0.5)]))
-        got = asyncio.run(_read(names, ("transitions", "dead-letter"), lambda g: len(g["transitions"]) >= 2, 90))
+        got = asyncio.run(_read(names, ("spans", "transitions", "dead-letter"), lambda g: len(g["transitions"]) >= 2
+                                and any(sp["source"] == "otlp" for sp in g["spans"]), 90))
         counters = _counters(web_port)
     finally:
         stop_process_group(worker, grace_s=15)
@@ -474,8 +492,115 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
     assert [(t["prompt_token_ids"], t["completion_token_ids"]) for t in trs] == [
         ([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
     assert [t["reward"] for t in trs] == [0.5, 0.5] and got["dead-letter"] == []
+    # the orphan waited in the recovered join tables and joined the attempt of c1's trace
+    [joined] = [sp for sp in got["spans"] if sp["source"] == "otlp"]
+    assert (joined["rollout_id"], joined["attempt_id"], joined["span_id"], joined["agent_name"]) == (
+        rid, "a0", "cd" * 8, "planner")
+    assert counters["spans_joined"] == 1 and counters["trace_links_out"] == 1
     # c0 (offset 0, committed before the kill) is not consumed again: it came from the
     # calls changelog. (Inputs that arrive while the worker recovers may be handled twice:
     # Faust resumes stream partitions before seeking them to the committed offsets; the
     # assembler's state is idempotent to that.)
     assert counters["transitions_out"] == 2
+
+
+def _start_service(module: str, port: int, prefix: str, log_path: Path, *args: str) -> subprocess.Popen:
+    """``python -m module`` (the bridge or the proxy) on ``port`` writing to ``prefix``-ed topics."""
+    return subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--topic-prefix", prefix, *args],
+                            cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, kafka_minio, settings):
+    """An agent traced only by a standard GenAI instrumentation (OpenInference's OpenAI
+    instrumentor, a plain TracerProvider + OTLP exporter to the bridge; its HTTP requests carry
+    the W3C traceparent) calls the proxy's per-rollout URL: its spans carry no rollout id, go to
+    orphan-spans and join the call's rollout by trace id as context (the agent span names the
+    call's agent), exactly one transition (the proxy's record, exact token ids), no
+    missing_token_ids; a trace with no proxy call ends as no_rollout_id."""
+    import openai
+    from openinference.instrumentation.openai import OpenAIInstrumentor
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from spanrl.producers.instrument import propagate_trace_context
+
+    kafka_minio.start("vllm")
+    suffix = uuid.uuid4().hex[:8]
+    names, app_id, prefix = _names(suffix), f"sjtest-stream-{suffix}", f"sjtest-{suffix}-"
+    asyncio.run(_admin("create", names))
+    web_port, bridge_port, proxy_port = _free_port(), _free_port(), _free_port()
+    bridge = _start_service("spanrl.producers.bridge", bridge_port, prefix, tmp_path / "bridge.log")
+    proxy = _start_service("spanrl.producers.proxy", proxy_port, prefix, tmp_path / "proxy.log", "--reloader-url", "")
+    worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", SPANRL_ORPHAN_TIMEOUT_S="5")
+    bridge_url, proxy_url = f"http://127.0.0.1:{bridge_port}", f"http://127.0.0.1:{proxy_port}"
+    provider = TracerProvider(resource=Resource.create({"service.name": "plain-otel-agent"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=bridge_url + "/v1/traces")))
+    instrumentor = OpenAIInstrumentor()
+    instrumentor.uninstrument()  # whatever instrumented openai before: this provider's spans only
+    instrumentor.instrument(tracer_provider=provider)
+    propagate_trace_context()  # openai>=3 sends with httpx2, which no OTel instrumentation covers
+    rid = f"join-{suffix}"
+    try:
+        for url, proc in ((bridge_url + "/health", bridge), (proxy_url + "/health", proxy),
+                          (f"http://127.0.0.1:{web_port}/spanrl/health/", worker)):
+            _wait_http(url, proc)
+        client = openai.OpenAI(base_url=f"{proxy_url}/rollouts/{rid}/attempts/a0/v1", api_key="unused")
+        tracer = provider.get_tracer("plain-otel-agent")
+        with tracer.start_as_current_span("invoke_agent planner", attributes={
+                "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "planner"}):
+            answer = client.chat.completions.create(model=settings.model_name, max_tokens=8, temperature=0,
+                                                    messages=[{"role": "user", "content": "Say hi."}])
+        with tracer.start_as_current_span("lonely step"):  # a trace with no proxy call
+            pass
+        assert provider.force_flush(30_000)
+        joined = asyncio.run(_read(names, ("spans",), lambda g: len(g["spans"]) >= 3, 60))["spans"]
+        asyncio.run(_produce([_lifecycle(names, rid, "started"), _lifecycle(names, rid, "succeeded"),
+                              _reward(names, rid, 1.0)]))
+        got = asyncio.run(_read(names, ("spans", "transitions", "call-accounts", "dead-letter"),
+                                lambda g: g["transitions"] and g["call-accounts"] and g["dead-letter"], 60))
+        counters = _counters(web_port)
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+        for proc in (bridge, proxy, worker):
+            stop_process_group(proc, grace_s=15)
+        try:
+            asyncio.run(_admin("delete", names, app_id))
+        except Exception:
+            pass
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+    assert answer.choices[0].message.content is not None
+
+    # spans of the rollout: the proxy's call record and the two framework spans, joined by trace
+    [call] = [s for s in got["spans"] if s["source"] == "proxy"]
+    others = sorted((s for s in got["spans"] if s["source"] != "proxy"), key=lambda s: s["name"])
+    assert len(got["spans"]) == 3 and len(joined) == 3, (got["spans"], worker_log)
+    assert [(s["name"], s["kind"], s["rollout_id"], s["attempt_id"], s["attributes"]["spanrl.joined_by"])
+            for s in others] == [("ChatCompletion", "llm", rid, "a0", "trace"),
+                                 ("invoke_agent planner", "agent", rid, "a0", "trace")]
+    llm_span, agent_span = others
+    assert {s["trace_id"] for s in got["spans"]} == {call["trace_id"]}
+    assert call["parent_span_id"] == llm_span["span_id"] and llm_span["parent_span_id"] == agent_span["span_id"]
+    assert llm_span["llm"] is None and agent_span["agent_name"] == "planner"
+
+    # one transition: the proxy's record with vLLM's exact token ids; its agent from the joined spans
+    [t] = got["transitions"]
+    assert (t["rollout_id"], t["span_id"], t["agent_name"], t["reward"]) == (rid, call["span_id"], "planner", 1.0)
+    assert t["prompt_token_ids"] == call["llm"]["prompt_token_ids"]
+    assert t["completion_token_ids"] == call["llm"]["completion_token_ids"]
+    [account] = got["call-accounts"]
+    assert [(c["span_id"], c["agent_name"], c["agent_source"], c["trained"]) for c in account["calls"]] == [
+        (call["span_id"], "planner", "telemetry", True)]
+
+    # the trace with no proxy call: no_rollout_id, with its orphan-spans record; nothing else dead
+    [dead] = got["dead-letter"]
+    assert (dead["reason"], dead["stage"], dead["source_topic"], dead["rollout_id"]) == (
+        "no_rollout_id", "joiner", names["orphan-spans"], None), worker_log
+    lonely = codec.decode("span", dead["payload"])
+    assert lonely["name"] == "lonely step" and lonely["trace_id"] != call["trace_id"]
+    assert counters["dead_letters_out"] == {"no_rollout_id": 1}
+    assert {k: counters[k] for k in ("trace_links_out", "trace_links_in", "orphans_in", "spans_joined",
+                                     "transitions_out")} == {
+        "trace_links_out": 1, "trace_links_in": 1, "orphans_in": 3, "spans_joined": 2, "transitions_out": 1}

@@ -87,3 +87,44 @@ def test_bad_input_answers_and_counters(client):
         "unsupported_encoding": 1, "invalid_reward": 3, "invalid_request": 4, "invalid_json": 1}
     assert (m["inflight_bytes"], m["max_inflight_bytes"]) == (0, 64 << 20)
     assert "spans" not in m and "rewards" not in m
+
+
+class RecordingSink(Sink):
+    """A Sink that acknowledges every record at once and keeps ``(topic name, key, value)``."""
+
+    def __init__(self, topics: Topics):
+        super().__init__("unused:0", topics)
+        self.sent: list[tuple[str, str | None, bytes]] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def produce_raw(self, items) -> None:
+        self.sent += [(t.name, k, v) for t, k, v in items]
+
+
+def test_spans_without_rollout_id_go_to_orphan_spans_keyed_by_trace_id():
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    from spanrl.schemas import codec
+
+    req = ExportTraceServiceRequest()
+    spans = req.resource_spans.add().scope_spans.add().spans
+    framework = spans.add(trace_id=b"\1" * 16, span_id=b"\2" * 8, name="ChatCompletion")
+    framework.attributes.append(KeyValue(key="openinference.span.kind", value=AnyValue(string_value="LLM")))
+    spans.add(trace_id=b"\0" * 16, span_id=b"\3" * 8, name="no trace")     # cannot join: dead letter
+    stamped = spans.add(trace_id=b"\1" * 16, span_id=b"\4" * 8, name="tool.search")
+    stamped.attributes.append(KeyValue(key="spanrl.rollout_id", value=AnyValue(string_value="r1")))
+    sink = RecordingSink(Topics.with_prefix("t-"))
+    with TestClient(create_app(sink, claim_client=object(), payload_bucket="b")) as c:
+        r = c.post("/v1/traces", content=req.SerializeToString(), headers=PB)
+        metrics = c.get("/metrics").json()
+    assert r.status_code == 200
+    answer = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert (answer.rejected_spans, answer.error_message) == (1, "dead-lettered: no_rollout_id=1")
+    assert [(topic, key) for topic, key, _ in sink.sent] == [
+        ("t-orphan-spans", "01" * 16), ("t-dead-letter", None), ("t-spans", "r1")]
+    orphan = codec.decode("span", sink.sent[0][2])
+    assert (orphan["rollout_id"], orphan["attempt_id"], orphan["span_id"], orphan["kind"]) == ("", "", "02" * 8, "llm")
+    assert codec.decode("dead_letter", sink.sent[1][2])["reason"] == "no_rollout_id"
+    assert (metrics["orphan_spans"], metrics["spans"], metrics["dead_letter.no_rollout_id"]) == (1, 1, 1)

@@ -83,6 +83,11 @@ def test_rollout_from_resource_attributes_and_defaults():
     ("spanrl.reward", {}, "reward"),
     ("invoke_agent x", {"gen_ai.operation.name": "invoke_agent"}, "agent"),
     ("db.query", {"db.system": "x"}, "other"),
+    # OpenInference's own span kinds (its OpenAI instrumentor names the LLM span "ChatCompletion")
+    ("Completion", {"openinference.span.kind": "LLM"}, "llm"),
+    ("search", {"openinference.span.kind": "TOOL"}, "tool"),
+    ("planner", {"openinference.span.kind": "AGENT"}, "agent"),
+    ("RunnableSequence", {"openinference.span.kind": "CHAIN"}, "other"),
 ])
 def test_span_kind(name, attrs, kind):
     assert span_kind(name, attrs) == kind
@@ -116,11 +121,33 @@ def test_invalid_reward_dead_lettered(value):
     assert c.span is None and c.dead_reason == "invalid_reward" and c.rollout_id == "r1"
 
 
-def test_missing_rollout_id_dead_lettered():
-    s = span("chat", {"gen_ai.request.model": "m"})
+def test_span_without_rollout_id_is_an_orphan_keyed_by_trace():
+    """No spanrl.rollout_id (a framework's own instrumentation): a span record with empty
+    rollout/attempt ids for orphan-spans, to be joined by trace id in the stream app."""
+    s = span("ChatCompletion", {"openinference.span.kind": "LLM", "llm.model_name": "policy"}, parent=PARENT)
     [c] = convert_request(request([s]))
-    assert (c.span, c.dead_reason, c.rollout_id) == (None, "no_rollout_id", None)
-    assert Span.FromString(c.raw) == s
+    assert (c.orphan, c.dead_reason, c.rollout_id, c.reward) == (True, None, None, None)
+    assert c.span == {
+        "rollout_id": "", "attempt_id": "", "sequence_id": -1, "trace_id": TRACE.hex(), "span_id": SPAN.hex(),
+        "parent_span_id": PARENT.hex(), "name": "ChatCompletion", "kind": "llm", "source": "otlp",
+        "start_time_unix_nano": 1_700_000_000_000_000_000, "end_time_unix_nano": 1_700_000_000_500_000_000,
+        "status_code": "OK", "agent_name": None,
+        "attributes": {"openinference.span.kind": "LLM", "llm.model_name": "policy"}, "llm": None, "payload_ref": None}
+    assert codec.decode("span", codec.encode("span", c.span))["rollout_id"] == ""
+
+
+@pytest.mark.parametrize("trace_id, name, attrs, why", [
+    (b"\0" * 16, "chat", {}, "no valid trace id"),
+    (b"", "chat", {}, "no valid trace id"),
+    (TRACE, "spanrl.reward", {"spanrl.reward.value": 1.0}, "a reward must name its rollout"),
+    (TRACE, "chat", {"spanrl.record_to": "eval"}, "evaluation spans are not joined"),
+])
+def test_span_without_rollout_id_that_cannot_join_is_dead_lettered(trace_id, name, attrs, why):
+    s = span(name, attrs)
+    s.trace_id = trace_id
+    [c] = convert_request(request([s]))
+    assert (c.span, c.dead_reason, c.rollout_id, c.orphan) == (None, "no_rollout_id", None, False)
+    assert why in c.dead_detail and Span.FromString(c.raw) == s
 
 
 def test_decode_gzip_and_errors():

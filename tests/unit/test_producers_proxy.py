@@ -8,8 +8,8 @@ import pytest
 
 from spanrl.producers.proxy import (
     CHAT, COMPLETIONS, BadRequest, MissingTokenIds, SequenceCounter, llm_call_from_response, parse_body,
-    parse_traceparent,
-    strip_response, upstream_body,
+    parse_traceparent, span_attributes,
+    strip_response, tool_attributes, upstream_body,
 )
 from spanrl.schemas import codec
 
@@ -18,6 +18,13 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 CHAT_REQ = {"model": "policy", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
             "temperature": 0.7}
 COMPL_REQ = {"model": "policy", "prompt": "2+2=", "max_tokens": 5, "temperature": 0.0}
+# vLLM started with --enable-auto-tool-choice --tool-call-parser hermes and spanrl's chat template
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+TOOL_REQ = {"model": "policy", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "max_tokens": 48, "temperature": 0.0, "tools": [WEATHER], "tool_choice": "required"}
 
 
 def load(name: str) -> dict:
@@ -48,6 +55,37 @@ def test_completion_llm_call_from_real_vllm_response():
     assert llm["completion_token_ids"] == [33, 33, 28, 588, 260]
     assert llm["completion_logprobs"] == resp["choices"][0]["logprobs"]["token_logprobs"]
     assert (llm["temperature"], llm["finish_reason"]) == (0.0, "length")
+
+
+def test_tool_call_llm_call_from_real_vllm_response():
+    resp = load("vllm_chat_tool_call.json")
+    llm = llm_call_from_response(CHAT, TOOL_REQ, resp, policy_version=1)
+    # the completion is the text the hermes parser read the call from:
+    # '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    assert llm["completion_token_ids"] == [44, 19324, 79, 4350, 46, 198, 39428, 1245, 1799, 476, 87, 305, 79, 29624,
+                                           1002, 476, 24370, 1799, 9583, 20721, 1799, 476, 38634, 23597, 109, 198,
+                                           9617, 19324, 79, 4350, 46, 2]
+    assert len(llm["prompt_token_ids"]) == 196 and llm["prompt_token_ids"] == resp["prompt_token_ids"]
+    assert len(llm["completion_logprobs"]) == 32 and llm["completion_logprobs"][0] == 0.0  # forced by the grammar
+    assert (llm["finish_reason"], llm["max_tokens"], llm["temperature"]) == ("tool_calls", 48, 0.0)
+    assert resp["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                          "arguments": '{"city": "Paris"}'}
+
+
+def test_tool_attributes():
+    resp = load("vllm_chat_tool_call.json")
+    assert tool_attributes(TOOL_REQ, resp) == {"spanrl.tools": '["get_weather"]', "spanrl.tool_choice": '"required"',
+                                               "spanrl.tool_calls": '["get_weather"]'}
+    named = {**TOOL_REQ, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    assert tool_attributes(named, resp)["spanrl.tool_choice"] == '{"type": "function", "function": {"name": "get_weather"}}'
+    assert tool_attributes(CHAT_REQ, load("vllm_chat_completion.json")) == {}
+    # malformed entries are skipped, never raise
+    odd = {"tools": [WEATHER, "x", {"function": None}, {"function": {"name": 3}}]}
+    reply = {"choices": [{"message": {"tool_calls": [None, {"function": {"name": "a"}}]}}]}
+    assert tool_attributes(odd, reply) == {"spanrl.tools": '["get_weather"]', "spanrl.tool_calls": '["a"]'}
+    assert tool_attributes({"tools": "x", "tool_choice": None}, {"choices": []}) == {}
+    attrs = span_attributes(CHAT, TOOL_REQ, resp, None)
+    assert attrs["gen_ai.response.finish_reasons"] == '["tool_calls"]' and attrs["spanrl.tool_calls"] == '["get_weather"]'
 
 
 @pytest.mark.parametrize("mutate", [
@@ -149,3 +187,25 @@ def test_proxy_bad_input_is_counted():
                                   "unsupported_media_type", "invalid_request", "spans")} == {
         "requests": 4, "http_400": 3, "http_415": 1, "http_422": 1, "invalid_json": 3,
         "unsupported_media_type": 1, "invalid_request": 1, "spans": None}
+
+
+def test_proxy_messages_route_refuses_before_vllm():
+    """``/v1/messages`` refusals: parsed and translated before vLLM or Kafka (unreachable here)."""
+    from fastapi.testclient import TestClient
+
+    from spanrl.producers.kafka import Sink, Topics
+    from spanrl.producers.proxy import create_app
+
+    app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
+    user = [{"role": "user", "content": "x"}]
+    with TestClient(app) as client:
+        for url in ("/rollouts/r/attempts/0/v1/messages", "/eval/0/rollouts/r/attempts/0/v1/messages"):
+            for body, status, reason in [
+                ({"model": "policy", "messages": user}, 400, "invalid_request"),
+                ({"model": "policy", "max_tokens": 4, "messages": user, "stream": True}, 400, "stream_not_supported"),
+                ({"model": "other", "max_tokens": 4, "messages": user}, 404, "model_not_found"),
+            ]:
+                r = client.post(url, json=body)
+                assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
+        m = client.get("/metrics").json()
+    assert (m["messages_requests"], m["eval_requests"], m["http_400"], m["http_404"]) == (6, 3, 4, 2)

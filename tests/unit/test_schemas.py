@@ -42,6 +42,8 @@ RECORDS = {
     "dead_letter": {"reason": "schema_error", "detail": "x", "stage": "assembler", "source_topic": "spans",
                     "source_partition": 0, "source_offset": 12, "rollout_id": None, "task_id": None,
                     "payload": b"\x00\x01", "timestamp_ms": 3},
+    "trace_link": {"trace_id": "9d" * 16, "rollout_id": "r1", "attempt_id": "0", "span_id": "2" * 16,
+                   "parent_span_id": "3" * 16, "timestamp_ms": 11},
 }
 
 
