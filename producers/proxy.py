@@ -5,11 +5,15 @@
 An agent points its OpenAI client at the per-rollout base URL
 ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}/v1``. The proxy asks vLLM for
 token ids and log-probs of every call, records them (never re-tokenised) with the
-current policy version in a Span (source=proxy, kind=llm), waits for Kafka to
-acknowledge it, and only then returns vLLM's answer, minus what the client did not ask for.
+current policy version in a Span (source=proxy, kind=llm; one per choice when ``n`` > 1),
+waits for Kafka to acknowledge it, and only then returns vLLM's answer, minus what the client
+did not ask for. ``stream: true``: vLLM's events are forwarded as they arrive and the spans
+written after vLLM's last one; the client's ``data: [DONE]`` comes only after Kafka's ack, and
+a stream cut short is one dead letter (``producers/streaming.py``, producers/README.md).
 ``POST .../v1/responses`` (the Responses API, the OpenAI Agents SDK's default model) is
 served from vLLM's chat completions (producers/responses.py says why): one chat call per
-request, recorded like any chat call (``spanrl.api`` ``responses``), answered as a Response object.
+request, recorded like any chat call (``spanrl.api`` ``responses``), answered as a Response
+object or, streamed, as the Responses API's events.
 The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evaluation topics
 (``spans.eval``, ``dead-letter.eval``) instead: what ``spanrl eval`` and the release gate
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
@@ -40,6 +44,8 @@ import secrets
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 import uvicorn
@@ -47,16 +53,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, messages, responses
+from spanrl.producers import claims, edge, messages, responses, streaming
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
+from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
 from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.proxy")
-RETRY_AFTER_S = "5"
-CHAT, COMPLETIONS = "chat.completions", "completions"
 #: client APIs served from vLLM's chat completions (the span's ``spanrl.api``)
 MESSAGES = "anthropic.messages"
+RETRY_AFTER_S = "5"
 
 
 class MissingTokenIds(ValueError):
@@ -103,8 +109,11 @@ def parse_body(content_type: str | None, raw: bytes) -> dict:
 
 
 # ---------------------------------------------------------------- pure functions
-def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_version: int) -> dict:
-    """The LlmCall record of one vLLM answer (n=1).
+def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_version: int,
+                           choice: int = 0) -> dict:
+    """The LlmCall record of choice ``choice`` (position in ``choices``) of one vLLM answer;
+    with ``n`` > 1 each choice is its own call (same prompt token ids, its own completion).
+    A streamed answer, assembled by ``streaming.StreamAccumulator``, has the same shape.
 
     A tool-call answer is recorded like any other: its completion token ids are the text
     vLLM's tool-call parser read the calls from (``<tool_call>{...}</tool_call>`` with the
@@ -112,15 +121,17 @@ def llm_call_from_response(endpoint: str, request: dict, response: dict, policy_
     auto/required, ``stop`` for a named ``tool_choice``, as OpenAI's API does).
 
     vLLM 0.32 fields used (with ``return_token_ids: true`` and logprobs asked):
-      chat:        response.prompt_token_ids, choices[0].token_ids,
-                   choices[0].logprobs.content[i].logprob
-      completions: choices[0].prompt_token_ids, choices[0].token_ids,
-                   choices[0].logprobs.token_logprobs[i]
+      chat:        response.prompt_token_ids, choices[k].token_ids,
+                   choices[k].logprobs.content[i].logprob
+      completions: choices[k].prompt_token_ids, choices[k].token_ids,
+                   choices[k].logprobs.token_logprobs[i]
+    Raises :class:`MissingTokenIds` when the choice, its token ids or one log-prob per
+    completion token is missing.
     """
     try:
-        choice = response["choices"][0]
+        choice = response["choices"][choice]
     except (KeyError, IndexError, TypeError) as exc:
-        raise MissingTokenIds("response has no choices") from exc
+        raise MissingTokenIds(f"response has no choice {choice}") from exc
     if endpoint == CHAT:
         prompt_ids = response.get("prompt_token_ids")
         lp = (choice.get("logprobs") or {}).get("content")
@@ -178,6 +189,34 @@ def strip_response(endpoint: str, client_body: dict, response: dict) -> dict:
         for c in out["choices"]:
             c["logprobs"] = None
     return out
+
+
+def check_n(body: dict) -> int:
+    """The number of choices asked (``n``, default 1); each becomes its own call record.
+    Raises :class:`BadRequest` 400 ``invalid_request`` unless ``n`` is an integer >= 1 (JSON
+    ``true`` or ``"2"`` included, which vLLM would coerce), 400 ``n_requires_sampling`` for
+    ``n`` > 1 with ``temperature: 0`` (vLLM 0.32 refuses n > 1 with greedy sampling)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(400, "invalid_request", f"n must be an integer >= 1, got {json.dumps(n)[:40]}")
+    if n > 1 and body.get("temperature") == 0:
+        raise BadRequest(400, "n_requires_sampling", f"n={n} needs temperature > 0: greedy sampling "
+                         "gives one answer (vLLM refuses n > 1 with temperature 0)")
+    return n
+
+
+def check_stream(body: dict) -> bool:
+    """Whether the call streams. Raises :class:`BadRequest` 400 ``invalid_request`` unless
+    ``stream`` is a boolean (or absent/null) and ``stream_options`` an object (or absent/null),
+    as the OpenAI API defines them (the proxy must know for sure whether it streams)."""
+    stream, opts = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(400, "invalid_request", f"stream must be a boolean, got {json.dumps(stream)[:40]}")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadRequest(400, "invalid_request", f"stream_options must be an object, got {json.dumps(opts)[:40]}")
+    return bool(stream)
 
 
 def parse_traceparent(header: str | None) -> tuple[str, str] | None:
@@ -272,6 +311,22 @@ class PolicyState:
 
 
 # ---------------------------------------------------------------- service
+@dataclass
+class CallContext:
+    """One client request on its way: what its records are made of (plumbing)."""
+    endpoint: str
+    body: dict
+    rollout_id: str
+    attempt_id: str
+    topics: Topics
+    agent: str | None
+    trace: tuple[str, str] | None
+    start_ns: int
+    #: the client's API when it is not vLLM's (served as this chat call, the span's
+    #: ``spanrl.api``): ``responses.RESPONSES`` or :data:`MESSAGES`
+    api: str | None = None
+
+
 class PolicyVersionIn(BaseModel):
     version: int
     checkpoint: str = ""
@@ -369,8 +424,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                    api: str | None = None) -> Response:
         """One recorded vLLM call. ``api``: the client's API when it is not vLLM's, served as a
         chat call: ``responses.RESPONSES`` (producers/responses.py, answered as a Response
-        object) or :data:`MESSAGES` (producers/messages.py, answered as a Messages answer);
-        the span says which in ``spanrl.api``."""
+        object or its event stream) or :data:`MESSAGES` (producers/messages.py, answered as a
+        Messages answer); the span says which in ``spanrl.api``."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
@@ -382,79 +437,157 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             elif api == MESSAGES:
                 metrics["messages_requests"] += 1
                 body = messages.chat_request(client_body)
+            if sampling is not None and sampling != "agent":
+                temperature = eval_temperature(sampling)
+                if temperature is None:
+                    raise BadRequest(400, "invalid_sampling",
+                                     f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
+                body["temperature"] = temperature
+            check_n(body)
+            streamed = check_stream(body)
         except (BadRequest, messages.MessagesError) as exc:
             return error(exc.status, exc.reason, exc.detail, param=getattr(exc, "param", None))
-        if sampling is not None and sampling != "agent":
-            temperature = eval_temperature(sampling)
-            if temperature is None:
-                return error(400, "invalid_sampling",
-                             f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
-            body["temperature"] = temperature
-        if body.get("stream"):
-            return error(400, "stream_not_supported", "stream=true is not supported by the spanrl proxy yet")
-        if body.get("n") not in (None, 1):
-            return error(400, "n_not_supported", "only n=1 is supported (one call = one transition)")
         if body.get("model") != model_name:
             return error(404, "model_not_found", f"model {body.get('model')!r} is not served; use {model_name!r}")
-        agent = request.headers.get("x-spanrl-agent")
         if not policy.synced:
             metrics["policy_unsynced"] += 1
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
-        start_ns = time.time_ns()
+        ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
+                          parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api)
+        if streamed and api == responses.RESPONSES:
+            events = responses.ResponseEvents(client_body, body)
+            return await stream(ctx, path, lambda chunk: sse_events(events.chunk(chunk)),
+                                lambda answer: sse_events(events.finish(answer)),
+                                lambda reason, message, status: sse_events([events.error(reason, message)]))
+        if streamed:
+            return await stream(ctx, path)
         try:
             upstream = await app.state.client.post(path, json=upstream_body(endpoint, body))
         except httpx.TransportError as exc:
-            if vllm_lost(exc) and policy.vllm_unreachable():
-                log.warning("vLLM unreachable (%r): policy version unsynced until the reloader posts one", exc)
-            return error(503, "vllm_unavailable", f"vLLM at {vllm_url} unreachable: {exc!r}",
-                         {"Retry-After": RETRY_AFTER_S})
-        end_ns = time.time_ns()
+            return vllm_unavailable(exc)
         if upstream.status_code != 200:
             metrics[f"vllm_http_{upstream.status_code}"] += 1
             return Response(upstream.content, upstream.status_code, media_type="application/json")
         response = upstream.json()
-        trace = parse_traceparent(request.headers.get("traceparent"))
-        span = {
-            "rollout_id": rollout_id, "attempt_id": attempt_id,
-            "sequence_id": seq.next(rollout_id, attempt_id),
-            "trace_id": trace[0] if trace else secrets.token_hex(16),
-            "span_id": secrets.token_hex(8),
-            "parent_span_id": trace[1] if trace else None,
-            "name": endpoint, "kind": "llm", "source": "proxy",
-            "start_time_unix_nano": start_ns, "end_time_unix_nano": end_ns,
-            "status_code": "OK", "agent_name": agent,
-            "attributes": span_attributes(endpoint, body, response, agent),
-            "llm": None, "payload_ref": None,
-        }
-        if api:
-            span["attributes"]["spanrl.api"] = api
-        items: list[tuple] = []
         try:
-            span["llm"] = llm_call_from_response(endpoint, body, response, policy.version)
-            value = codec.encode(topics.spans.record, span)
-            # oversize: the record goes to MinIO, a small span with its ref to Kafka
-            items.append((topics.spans, rollout_id, await claims.check_in(
-                claim_client, payload_bucket, topics.spans, rollout_id, span, value)))
-        except MissingTokenIds as exc:
-            metrics["dead_letter.missing_token_ids"] += 1
-            items.append((topics.dead_letter, rollout_id, codec.encode(topics.dead_letter.record, {
-                "reason": "missing_token_ids", "detail": str(exc), "stage": "proxy", "source_topic": None,
-                "source_partition": None, "source_offset": None, "rollout_id": rollout_id, "task_id": None,
-                "payload": json.dumps(span).encode(), "timestamp_ms": now_ms()})))
-        except codec.SchemaError as exc:
-            return error(502, "schema_error", exc.detail)
-        except claims.ClaimStoreUnavailable as exc:
-            return error(503, "claim_store_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
-        try:
-            await sink.produce_raw(items)
-        except KafkaUnavailable as exc:
-            return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
-        metrics["spans"] += 1
+            await record(ctx, response)
+        except RecordFailed as exc:
+            return error(exc.status, exc.reason, exc.detail,
+                         {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None)
         if api == responses.RESPONSES:
             return JSONResponse(responses.response_object(client_body, body, response))
         answer = strip_response(endpoint, body, response)
         return JSONResponse(messages.message_response(answer) if api == MESSAGES else answer)
+
+    def vllm_unavailable(exc: httpx.TransportError) -> Response:
+        if vllm_lost(exc) and policy.vllm_unreachable():
+            log.warning("vLLM unreachable (%r): policy version unsynced until the reloader posts one", exc)
+        return error(503, "vllm_unavailable", f"vLLM at {vllm_url} unreachable: {exc!r}",
+                     {"Retry-After": RETRY_AFTER_S})
+
+    def base_span(ctx: CallContext, sequence_id: int | None, response: dict, choice: int) -> dict:
+        span = {
+            "rollout_id": ctx.rollout_id, "attempt_id": ctx.attempt_id, "sequence_id": sequence_id,
+            "trace_id": ctx.trace[0] if ctx.trace else secrets.token_hex(16),
+            "span_id": secrets.token_hex(8),
+            "parent_span_id": ctx.trace[1] if ctx.trace else None,
+            "name": ctx.endpoint, "kind": "llm", "source": "proxy",
+            "start_time_unix_nano": ctx.start_ns, "end_time_unix_nano": time.time_ns(),
+            "status_code": "OK", "agent_name": ctx.agent,
+            "attributes": span_attributes(ctx.endpoint, ctx.body, response, ctx.agent, choice),
+            "llm": None, "payload_ref": None,
+        }
+        if ctx.api:
+            span["attributes"]["spanrl.api"] = ctx.api
+        return span
+
+    def dead_letter(topics: Topics, reason: str, detail: str, rollout_id: str, payload: dict) -> tuple:
+        metrics[f"dead_letter.{reason}"] += 1
+        return (topics.dead_letter, rollout_id, codec.encode(topics.dead_letter.record, {
+            "reason": reason, "detail": detail, "stage": "proxy", "source_topic": None,
+            "source_partition": None, "source_offset": None, "rollout_id": rollout_id, "task_id": None,
+            "payload": json.dumps(payload).encode(), "timestamp_ms": now_ms()}))
+
+    async def record(ctx: CallContext, response: dict) -> None:
+        """One span per choice of vLLM's answer (each its own sequence id, all in the rollout),
+        acked by Kafka on return; a choice without token ids -> dead letter missing_token_ids.
+        Raises :class:`RecordFailed` (schema error, claim store or Kafka unavailable)."""
+        items: list[tuple] = []
+        for choice in range(max(1, len(response.get("choices") or []))):
+            span = base_span(ctx, seq.next(ctx.rollout_id, ctx.attempt_id), response, choice)
+            try:
+                span["llm"] = llm_call_from_response(ctx.endpoint, ctx.body, response, policy.version, choice)
+                value = codec.encode(ctx.topics.spans.record, span)
+                # oversize: the record goes to MinIO, a small span with its ref to Kafka
+                items.append((ctx.topics.spans, ctx.rollout_id, await claims.check_in(
+                    claim_client, payload_bucket, ctx.topics.spans, ctx.rollout_id, span, value)))
+            except MissingTokenIds as exc:
+                items.append(dead_letter(ctx.topics, "missing_token_ids", str(exc), ctx.rollout_id, span))
+            except codec.SchemaError as exc:
+                raise RecordFailed(502, "schema_error", exc.detail) from exc
+            except claims.ClaimStoreUnavailable as exc:
+                raise RecordFailed(503, "claim_store_unavailable", str(exc)) from exc
+        try:
+            await sink.produce_raw(items)
+        except KafkaUnavailable as exc:
+            raise RecordFailed(503, "kafka_unavailable", str(exc)) from exc
+        metrics["spans"] += len(items)
+
+    async def stream(ctx: CallContext, path: str, translate: Callable[[dict], bytes] | None = None,
+                     closing: Callable[[dict], bytes] | None = None,
+                     fail_event: Callable[[str, str, int], bytes] = streaming.error_event) -> Response:
+        """``stream: true``: vLLM's events forwarded as they come (streaming.relay); the spans
+        written after vLLM's [DONE], and the client's [DONE] sent once Kafka acked them.
+        Another API served from vLLM's stream at ``path`` passes ``translate`` (vLLM chunk ->
+        the client's bytes), ``closing`` (assembled answer -> the bytes sent after the ack)
+        and ``fail_event``; ``ctx.body`` is then the body sent to vLLM."""
+        client: httpx.AsyncClient = app.state.client
+        body = streaming.upstream_stream_body(upstream_body(ctx.endpoint, ctx.body))
+        try:
+            upstream = await client.send(client.build_request("POST", path, json=body), stream=True)
+        except httpx.TransportError as exc:
+            return vllm_unavailable(exc)
+        if upstream.status_code != 200:  # vLLM refused before streaming: its error as it is
+            content = await upstream.aread()
+            await upstream.aclose()
+            metrics[f"vllm_http_{upstream.status_code}"] += 1
+            return Response(content, upstream.status_code, media_type="application/json")
+        metrics["streams"] += 1
+
+        def forward(chunk: dict) -> bytes:
+            if translate is not None:
+                return translate(chunk)
+            out = streaming.strip_chunk(ctx.body, chunk, lambda c: strip_response(ctx.endpoint, ctx.body, c))
+            return b"" if out is None else streaming.sse_event(out)
+
+        async def recorded(response: dict) -> bytes:
+            try:
+                await record(ctx, response)
+            except RecordFailed as exc:  # the stream ends with its error event, no [DONE]
+                metrics[exc.reason] += 1
+                raise
+            return closing(response) if closing is not None else streaming.sse_event(streaming.DONE)
+
+        async def interrupted(reason: str, detail: str, partial: dict) -> None:
+            span = base_span(ctx, None, partial, 0)
+            span["status_code"] = "ERROR"
+            try:
+                await sink.produce_raw([dead_letter(ctx.topics, reason, detail, ctx.rollout_id,
+                                                    {"span": span, "partial_response": partial})])
+            except KafkaUnavailable as exc:
+                metrics["dead_letter_unwritten"] += 1
+                log.error("stream of rollout %s ended early (%s) and Kafka did not take its dead letter: %s",
+                          ctx.rollout_id, reason, exc)
+
+        def lost(exc: Exception) -> None:
+            if vllm_lost(exc) and policy.vllm_unreachable():
+                log.warning("vLLM lost mid-stream (%r): policy version unsynced until the reloader posts one", exc)
+
+        relay = streaming.Relay(ctx.endpoint, upstream.aiter_lines(), forward, recorded, interrupted,
+                                upstream.aclose, lost, fail_event)
+        return streaming.EventStreamResponse(streaming.relay(relay, (httpx.TransportError,)),
+                                             headers={"cache-control": "no-cache"})
 
     prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
     # the same API, recorded on the evaluation topics; {sampling}: "agent" keeps the client's
@@ -546,6 +679,11 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     return app
 
 
+def sse_events(events: list[dict]) -> bytes:
+    """Responses stream events as server-sent events, each named by its ``type``."""
+    return b"".join(streaming.sse_event(e, e["type"]) for e in events)
+
+
 def eval_temperature(sampling: str) -> float | None:
     """The temperature an ``/eval/{sampling}/...`` route sets: a finite number >= 0, else None."""
     try:
@@ -555,9 +693,17 @@ def eval_temperature(sampling: str) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None) -> dict[str, str]:
-    """GenAI semantic-convention attributes of one call (all values as strings)."""
+def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None, choice: int = 0) -> dict[str, str]:
+    """GenAI semantic-convention attributes of the call of choice ``choice`` (all values as
+    strings). With n > 1 (``gen_ai.request.choice.count``) each choice is its own call: its
+    own finish reason, output tokens = its completion token count (vLLM's usage counts all
+    choices), ``spanrl.choice_index`` its index."""
     usage = response.get("usage") or {}
+    choices = response.get("choices") or []
+    mine = choices[choice] if choice < len(choices) else {}
+    output_tokens = usage.get("completion_tokens")
+    if len(choices) > 1:
+        output_tokens = len(mine["token_ids"]) if mine.get("token_ids") is not None else None
     attrs = {
         "gen_ai.operation.name": "chat" if endpoint == CHAT else "text_completion",
         "gen_ai.system": "vllm",
@@ -565,13 +711,18 @@ def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None
         "gen_ai.response.model": str(response.get("model")),
         "gen_ai.response.id": str(response.get("id")),
         "gen_ai.usage.input_tokens": str(usage.get("prompt_tokens")),
-        "gen_ai.usage.output_tokens": str(usage.get("completion_tokens")),
-        "gen_ai.response.finish_reasons": json.dumps([c.get("finish_reason") for c in response.get("choices", [])]),
+        "gen_ai.usage.output_tokens": str(output_tokens),
+        "gen_ai.response.finish_reasons": json.dumps([mine.get("finish_reason")] if mine else []),
     }
     for key in ("temperature", "top_p", "max_tokens"):
         if body.get(key) is not None:
             attrs[f"gen_ai.request.{key}"] = json.dumps(body[key])
-    attrs.update(tool_attributes(body, response))
+    if body.get("n") not in (None, 1):
+        attrs["gen_ai.request.choice.count"] = json.dumps(body["n"])
+        attrs["spanrl.choice_index"] = str(mine.get("index", choice))
+    if body.get("stream"):
+        attrs["spanrl.streamed"] = "true"
+    attrs.update(tool_attributes(body, response, choice))
     if agent:
         attrs["spanrl.agent_name"] = agent
     return attrs
@@ -584,13 +735,13 @@ def _function_name(item) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def tool_attributes(body: dict, response: dict) -> dict[str, str]:
+def tool_attributes(body: dict, response: dict, choice: int = 0) -> dict[str, str]:
     """Span attributes of a chat call's tools (none when it offered and called no tool).
 
     ``spanrl.tools``: JSON list of the offered functions' names (``body["tools"]``);
     ``spanrl.tool_choice``: the request's ``tool_choice`` as JSON (``"auto"``, ``"required"``,
     ``{"type": "function", "function": {"name": ...}}``); ``spanrl.tool_calls``: JSON list of
-    the names of the functions the first choice called (``choices[0].message.tool_calls``,
+    the names of the functions choice ``choice`` called (``choices[choice].message.tool_calls``,
     as vLLM's tool-call parser read them from the completion). Malformed entries are skipped.
     """
     attrs: dict[str, str] = {}
@@ -599,8 +750,9 @@ def tool_attributes(body: dict, response: dict) -> dict[str, str]:
         attrs["spanrl.tools"] = json.dumps([n for n in map(_function_name, tools) if n is not None])
     if body.get("tool_choice") is not None:
         attrs["spanrl.tool_choice"] = json.dumps(body["tool_choice"])
-    choices = response.get("choices") or [{}]
-    message = choices[0].get("message") if isinstance(choices[0], dict) else None
+    choices = response.get("choices") or []
+    mine = choices[choice] if choice < len(choices) and isinstance(choices[choice], dict) else {}
+    message = mine.get("message")
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     if isinstance(calls, list) and calls:
         attrs["spanrl.tool_calls"] = json.dumps([n for n in map(_function_name, calls) if n is not None])

@@ -11,14 +11,10 @@ import asyncio
 import gzip
 import json
 import math
-import os
 import secrets
 import socket
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import openai
@@ -30,72 +26,24 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from spanrl.infra.settings import get_settings
 from spanrl.infra.stack import Stack
 from spanrl.producers import instrument as inst
-from spanrl.producers.kafka import Topics, create_topics, delete_topics
+from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.otlp import convert_request, decode_request
 from spanrl.producers.runner import Runner, publish_tasks
 from spanrl.schemas import codec
+from tests.integration.services import S, of_rollout, own_topics, read_topic, start_service, stop
+from tests.integration.services import topic_prefix as _prefix
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
-S = get_settings()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((S.host, 0))
-        return s.getsockname()[1]
-
-
-def start_service(module: str, *args: str, env: dict | None = None, output: Path | None = None,
-                  timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
-    """``python -m module --port P *args`` with ``env`` added; stdout+stderr to ``output``."""
-    port = free_port()
-    out = open(output, "wb") if output else None
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT,
-                            env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT if out else None)
-    if out:
-        out.close()  # the child holds its own descriptor
-    url = f"http://{S.host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{module} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{module} did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def topics():
     """This module's ``prtest-<id>-*`` topics on the stack's Kafka (started if it is not)."""
     Stack(S).start("kafka")
-    prefix = f"prtest-{uuid.uuid4().hex[:8]}-"
-    t = Topics.with_prefix(prefix)
-    asyncio.run(create_topics(S.kafka_bootstrap, t.all()))
-    try:
+    with own_topics("prtest") as t:
         yield t
-    finally:
-        asyncio.run(_cleanup(prefix))
-
-
-def _prefix(topics: Topics) -> str:
-    return topics.spans.name.removesuffix("spans")
 
 
 @pytest.fixture(scope="module")
@@ -119,44 +67,6 @@ def stack(kafka_stack):
     """``kafka_stack`` with vLLM behind the proxy (started if it is not)."""
     Stack(S).start("vllm")
     return kafka_stack
-
-
-async def _cleanup(prefix: str) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=S.kafka_bootstrap)
-    await admin.start()
-    try:
-        names = [n for n in await admin.list_topics() if n.startswith(prefix)]
-    finally:
-        await admin.close()
-    await delete_topics(S.kafka_bootstrap, names)
-
-
-def read_topic(topic, want, timeout_s: float = 20.0) -> list[tuple[str | None, dict]]:
-    """All (key, record) of ``topic`` from the beginning until ``want(records)`` or timeout."""
-
-    async def go():
-        c = AIOKafkaConsumer(bootstrap_servers=S.kafka_bootstrap, enable_auto_commit=False)
-        await c.start()
-        try:
-            tps = [TopicPartition(topic.name, p) for p in range(topic.partitions)]
-            c.assign(tps)
-            await c.seek_to_beginning(*tps)
-            out: list = []
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and not want(out):
-                for msgs in (await c.getmany(timeout_ms=300)).values():
-                    out += [(m.key.decode() if m.key else None, codec.decode(topic.record, m.value)) for m in msgs]
-            return out
-        finally:
-            await c.stop()
-
-    return asyncio.run(go())
-
-
-def of_rollout(records, rid):
-    return [r for k, r in records if r.get("rollout_id") == rid]
 
 
 # --------------------------------------------------------------------- bridge
@@ -445,8 +355,8 @@ def test_proxy_rejects_bad_input(kafka_stack):
     msg = [{"role": "user", "content": "x"}]
     before = httpx.get(proxy + "/metrics").json()
     cases = [
-        ({"model": S.model_name, "messages": msg, "stream": True}, 400, "stream_not_supported"),
-        ({"model": S.model_name, "messages": msg, "n": 2}, 400, "n_not_supported"),
+        ({"model": S.model_name, "messages": msg, "n": 0}, 400, "invalid_request"),
+        ({"model": S.model_name, "messages": msg, "n": 2, "temperature": 0}, 400, "n_requires_sampling"),
         ({"model": "gpt-4", "messages": msg}, 404, "model_not_found"),
     ]
     for body, status, reason in cases:

@@ -80,6 +80,22 @@ def test_duplicate_span_counted_once():
     assert [t["span_id"] for t in out.transitions] == ["a", "b"]
     assert out.transitions[0]["rollout_transition_count"] == 2
 
+def test_n_choices_of_one_request_are_n_transitions():
+    """The proxy records each choice of an n=2 request as its own span (same prompt, same trace
+    parent, own span id and sequence id): two transitions, both credited with R, in sequence
+    order; a later call of the attempt follows them."""
+    def choice(sid, seq, completion):
+        s = span(sid, seq, completion=completion)
+        s["llm"]["prompt_token_ids"] = [1, 2, 3]
+        return {**s, "parent_span_id": "p1", "attributes": {"spanrl.choice_index": str(seq)}}
+    out, _, _ = run([(0, "span", choice("c1", 1, (8,))), (0, "span", choice("c0", 0, (5, 6))),
+                     (0, "span", span("next", 2)), (1, "life", lifecycle("succeeded")), (1, "reward", reward(0.5))])
+    assert out.dead_letters == []
+    assert [(t["span_id"], t["prompt_token_ids"], t["completion_token_ids"], t["reward"])
+            for t in out.transitions] == [("c0", [1, 2, 3], [5, 6], 0.5), ("c1", [1, 2, 3], [8], 0.5),
+                                          ("next", [1, 2, 2], [5, 6], 0.5)]
+    assert [t["rollout_transition_count"] for t in out.transitions] == [3, 3, 3]
+
 def test_missing_token_ids_dead_letters_that_span_only():
     out, _, _ = run([(0, "span", span("a", 1)), (0, "span", span("b", 2, llm=False)),
                      (0, "span", span("c", 3, completion=())), (0, "span", span("c", 3, completion=())),
