@@ -17,6 +17,7 @@ import pytest
 from spanrl.infra.replay import read_records, topics_end_offsets
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
+from tests.integration.services import start_service, stop
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is 2+2? Answer with a number only."  # SmolLM2-135M greedy: "The answer is 4." (7 tokens)
@@ -206,7 +207,7 @@ def test_agents_sdk_default_model_run_streamed(stack, settings, tokenizer):
     [span] = spans_of(settings, rid, since)
     assert_answer_is_the_call(span, result.final_output, raw.usage.input_tokens, raw.usage.output_tokens, tokenizer)
     assert span["attributes"]["spanrl.streamed"] == "true"
-    assert raw.id == "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-")
+    assert raw.response_id == "resp_" + span["llm"]["request_id"].removeprefix("chatcmpl-")
 
 
 def test_langchain_use_responses_api_stream(stack, settings, tokenizer):
@@ -223,3 +224,42 @@ def test_langchain_use_responses_api_stream(stack, settings, tokenizer):
     [span] = spans_of(settings, rid, since)
     usage = message.usage_metadata
     assert_answer_is_the_call(span, message.text, usage["input_tokens"], usage["output_tokens"], tokenizer)
+
+
+def test_streamed_response_without_kafka_ends_with_an_error_event(stack, settings):
+    """Kafka unreachable: the text streams, then an ``error`` event ``kafka_unavailable``
+    instead of ``response.completed``; the Agents SDK and LangChain raise on it."""
+    from agents import Agent, ModelSettings, RunConfig, Runner
+    from agents.exceptions import ModelBehaviorError
+    from agents.models.openai_provider import OpenAIProvider
+    from langchain_openai import ChatOpenAI
+
+    proc, url = start_service("spanrl.producers.proxy", "--kafka-bootstrap", f"{settings.host}:1",
+                              "--reloader-url", "", env={"SPANRL_KAFKA_SEND_TIMEOUT_S": "1"})
+    try:
+        base = f"{url}/rollouts/r/attempts/0/v1"
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        kinds = [(e.type, getattr(e, "code", None)) for e in client.responses.create(
+            model=settings.model_name, input=QUESTION, temperature=0, max_output_tokens=32, stream=True)]
+        assert ("response.output_text.delta", None) in kinds and kinds[-1] == ("error", "kafka_unavailable")
+        assert "response.completed" not in {k for k, _ in kinds}
+
+        agent = Agent(name="solver", model=settings.model_name, model_settings=ModelSettings(temperature=0, max_tokens=32))
+
+        async def agent_run():
+            aclient = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+            run = Runner.run_streamed(agent, QUESTION, max_turns=1, run_config=RunConfig(
+                model_provider=OpenAIProvider(openai_client=aclient), tracing_disabled=True))
+            async for _ in run.stream_events():
+                pass
+
+        with pytest.raises(ModelBehaviorError, match="kafka_unavailable"):
+            asyncio.run(agent_run())
+        with pytest.raises(ValueError, match="kafka_unavailable"):
+            list(ChatOpenAI(model=settings.model_name, base_url=base, api_key="unused", use_responses_api=True,
+                            max_tokens=8, max_retries=0).stream("hi"))
+        with pytest.raises(openai.APIStatusError) as err:  # not streamed: the answer waits for the ack
+            client.responses.create(model=settings.model_name, input="hi", max_output_tokens=2)
+        assert (err.value.status_code, err.value.body["type"]) == (503, "kafka_unavailable")
+    finally:
+        stop(proc)
