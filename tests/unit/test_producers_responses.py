@@ -209,3 +209,26 @@ def test_usage_and_ids():
     assert R.usage(None) is None
     assert R.response_id("chatcmpl-abc") == "resp_abc"
 
+
+
+def test_proxy_responses_routes_refuse_before_vllm():
+    """``/v1/responses`` (and its eval route): refused while translating, before vLLM or Kafka
+    (both unreachable here), the OpenAI error naming the field as ``param``."""
+    from fastapi.testclient import TestClient
+
+    from spanrl.producers.kafka import Sink, Topics
+    from spanrl.producers.proxy import create_app
+
+    app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
+    cases = [({"previous_response_id": "resp_1"}, 400, "stateful_not_supported", "previous_response_id"),
+             ({"tools": [{"type": "file_search"}]}, 400, "unsupported_tool", "tools[0]"),
+             ({"stream": "yes"}, 400, "invalid_request", None),
+             ({"model": "gpt-5"}, 404, "model_not_found", None)]
+    with TestClient(app) as client:
+        for url in ("/rollouts/r/attempts/0/v1/responses", "/eval/0/rollouts/r/attempts/0/v1/responses"):
+            for change, status, reason, param in cases:
+                r = client.post(url, json={"model": "policy", "input": "hi", **change})
+                assert (r.status_code, r.json()["error"]["type"], r.json()["error"].get("param")) == (
+                    status, reason, param)
+        m = client.get("/metrics").json()
+    assert (m["responses_requests"], m["eval_requests"], m["stateful_not_supported"], m["http_404"]) == (8, 4, 2, 2)
