@@ -77,8 +77,8 @@ def check_fields(body: dict) -> None:
     ``stateful_not_supported``: a :data:`STATEFUL` field set (``background: false`` and nulls
     are fine); ``reasoning_not_supported``: ``reasoning`` asks for effort or a summary (the
     served model has no reasoning mode); ``unsupported_parameter``: ``truncation: "auto"``,
-    ``text.verbosity``, or a field that is in none of :data:`TRANSLATED`, :data:`ACCEPTED`,
-    :data:`VLLM_EXTRAS`, :data:`STATEFUL` (e.g. ``n``: Responses has no ``n``).
+    ``text.verbosity``, or a field set (not null) that is in none of :data:`TRANSLATED`,
+    :data:`ACCEPTED`, :data:`VLLM_EXTRAS`, :data:`STATEFUL` (e.g. ``n``: Responses has no ``n``).
     """
     for key, why in STATEFUL.items():
         value = body.get(key)
@@ -94,7 +94,8 @@ def check_fields(body: dict) -> None:
                           "reasoning_not_supported")
     if body.get("truncation") not in (None, "disabled"):
         raise _refuse("truncation", "only 'disabled': the proxy does not drop input to fit the context")
-    unknown = sorted(set(body) - TRANSLATED - set(ACCEPTED) - VLLM_EXTRAS - set(STATEFUL))
+    unknown = sorted(k for k in set(body) - TRANSLATED - set(ACCEPTED) - VLLM_EXTRAS - set(STATEFUL)
+                     if body[k] is not None)
     if unknown:
         raise _refuse(unknown[0], f"not supported by the spanrl proxy's Responses API (fields {unknown})")
 

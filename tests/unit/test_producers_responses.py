@@ -103,7 +103,8 @@ def test_sampling_extras_logprobs_and_accepted_fields_pass():
     body = {"model": "m", "input": "x", "seed": 7, "stop": ["\n"], "top_k": 5, "top_logprobs": 2,
             "include": ["message.output_text.logprobs", "reasoning.encrypted_content"], "store": True,
             "metadata": {"k": "v"}, "user": "u", "background": False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "truncation": "disabled", "service_tier": "auto"}
+            "reasoning": {"effort": None, "summary": None}, "truncation": "disabled", "service_tier": "auto",
+            "moderation": None}  # an unknown field left null is no request
     assert R.chat_request(body) == {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2,
                                     "seed": 7, "stop": ["\n"], "top_k": 5}
     assert R.wants_logprobs(body) and not R.wants_logprobs(LANGCHAIN)
