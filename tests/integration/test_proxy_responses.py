@@ -135,7 +135,7 @@ def test_agents_sdk_structured_output(stack, settings, tokenizer):
     assert isinstance(result.final_output, Answer) and Answer.model_validate_json(text) == result.final_output
     assert_answer_is_the_call(span, text, raw.usage.input_tokens, raw.usage.output_tokens, tokenizer)
 
-def test_stateful_requests_get_a_400_naming_the_feature(stack, settings):
+def test_stateful_requests_get_a_400_naming_the_feature(stack, settings, tokenizer):
     from agents import Agent, ModelSettings, Runner
 
     rid, since = uuid.uuid4().hex, ends(settings)
@@ -152,8 +152,9 @@ def test_stateful_requests_get_a_400_naming_the_feature(stack, settings):
     assert err.value.body["param"] == "previous_response_id"
     # store alone changes nothing here: answered, and recorded like any call
     r = client.responses.create(model=settings.model_name, input="hi", store=True, max_output_tokens=2)
-    assert [s["llm"]["request_id"].removeprefix("chatcmpl-") for s in spans_of(settings, rid, since)] == [
-        r.id.removeprefix("resp_")]
+    [span] = spans_of(settings, rid, since)  # the refused requests recorded nothing
+    assert span["llm"]["request_id"].removeprefix("chatcmpl-") == r.id.removeprefix("resp_")
+    assert_answer_is_the_call(span, r.output_text, r.usage.input_tokens, r.usage.output_tokens, tokenizer)
 
 
 def test_agents_sdk_function_tool_through_responses(stack, settings, tokenizer):
