@@ -76,7 +76,8 @@ def check_fields(body: dict) -> None:
 
     ``stateful_not_supported``: a :data:`STATEFUL` field set (``background: false`` and nulls
     are fine); ``reasoning_not_supported``: ``reasoning`` asks for effort or a summary (the
-    served model has no reasoning mode); ``unsupported_parameter``: ``truncation: "auto"``,
+    served model has no reasoning mode); ``invalid_request``: ``reasoning`` not an object,
+    ``include`` not a list; ``unsupported_parameter``: ``truncation: "auto"``,
     ``text.verbosity``, or a field set (not null) that is in none of :data:`TRANSLATED`,
     :data:`ACCEPTED`, :data:`VLLM_EXTRAS`, :data:`STATEFUL` (e.g. ``n``: Responses has no ``n``).
     """
@@ -92,6 +93,8 @@ def check_fields(body: dict) -> None:
         if asked:
             raise _refuse("reasoning", f"the served model has no reasoning mode (asked {sorted(asked)})",
                           "reasoning_not_supported")
+    if not isinstance(body.get("include") or [], list):
+        raise _refuse("include", "must be a list", "invalid_request")
     if body.get("truncation") not in (None, "disabled"):
         raise _refuse("truncation", "only 'disabled': the proxy does not drop input to fit the context")
     unknown = sorted(k for k in set(body) - TRANSLATED - set(ACCEPTED) - VLLM_EXTRAS - set(STATEFUL)
@@ -263,9 +266,6 @@ def chat_request(body: dict) -> dict:
     for key in ("temperature", "top_p", "parallel_tool_calls", "top_logprobs", "stream", *sorted(VLLM_EXTRAS)):
         if body.get(key) is not None:
             out[key] = body[key]
-    include = body.get("include") or []
-    if not isinstance(include, list):
-        raise _refuse("include", "must be a list", "invalid_request")
     return out
 
 
@@ -412,7 +412,9 @@ class ResponseEvents:
       answer was cut (``max_output_tokens``), with the :func:`response_object` whose output is
       the items as streamed (same ids as the deltas).
     Items are numbered as :func:`output_items` numbers them, so the streamed and the
-    non-streamed Response of the same answer are equal.
+    non-streamed Response of the same answer are equal (one exception: a message followed by
+    calls is closed ``completed`` when the first call starts, before a later cut could make it
+    ``incomplete``).
     """
 
     def __init__(self, body: dict, chat_body: dict):

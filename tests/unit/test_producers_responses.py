@@ -128,6 +128,7 @@ def test_sampling_extras_logprobs_and_accepted_fields_pass():
     ({"input": [{"role": "tool", "content": "x"}]}, "invalid_request", "input[0]"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "invalid_request", "input[0]"),
     ({"input": 3}, "invalid_request", "input"),
+    ({"include": "message.output_text.logprobs"}, "invalid_request", "include"),
     ({"text": {"format": {"type": "json_schema", "name": "A"}}}, "invalid_request", "text.format"),
 ])
 def test_refused_with_the_field_named(change, reason, param):
