@@ -143,6 +143,8 @@ FRAMEWORK_INSTRUMENTORS = (
     ("autogen_agentchat", "openinference.instrumentation.autogen_agentchat", "AutogenAgentChatInstrumentor", {}),
 )
 _instrumented: set[str] = set()
+#: the provider each instrumented framework writes to (framework module -> provider)
+_framework_provider: dict[str, object] = {}
 
 
 def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
@@ -150,7 +152,9 @@ def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
     :data:`FRAMEWORK_INSTRUMENTORS` (OpenInference: LangChain/LangGraph, the OpenAI Agents
     SDK, AutoGen AgentChat) with ``provider`` (default: the one :func:`instrument` built),
     and :func:`propagate_trace_context`. Idempotent; returns the frameworks instrumented by
-    this call. Their spans name the agent (LangGraph node, Agents SDK agent, AutoGen agent:
+    this call. A framework instrumented before with another provider is instrumented again
+    with this one (OpenTelemetry instrumentors bind one provider: a later ``instrument()`` for
+    another bridge would otherwise leave the frameworks' spans going to the first). Their spans name the agent (LangGraph node, Agents SDK agent, AutoGen agent:
     ``spanrl.producers.otlp.span_agent_name``); the ``traceparent`` of each LLM request links the
     proxy's record of the call to them (``spanrl.stream_jobs.assembly.resolve_agent``)."""
     import importlib
@@ -159,14 +163,19 @@ def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
     provider = provider or _provider or trace.get_tracer_provider()
     done = []
     for framework, module, cls, kwargs in FRAMEWORK_INSTRUMENTORS:
-        if framework in _instrumented or importlib.util.find_spec(framework) is None:
+        if importlib.util.find_spec(framework) is None:
+            continue
+        if framework in _instrumented and _framework_provider.get(framework) is provider:
             continue
         try:
             instrumentor = getattr(importlib.import_module(module), cls)()
         except ImportError:
             continue
+        if framework in _instrumented:
+            instrumentor.uninstrument()
         instrumentor.instrument(tracer_provider=provider, **kwargs)
         _instrumented.add(framework)
+        _framework_provider[framework] = provider
         done.append(framework)
     propagate_trace_context()
     return done
@@ -247,7 +256,8 @@ def ensure_instrumented(service_name: str, bridge_url: str | None = None,
                         auth_token: SecretStr | str | None = None) -> TracerProvider:
     """The provider :func:`instrument` built in this process, else a new one (installed as
     the global provider, with the frameworks' instrumentations) -- what a runner calls so
-    that agents it runs are traced without code of their own. Idempotent."""
+    that agents it runs are traced without code of their own. Idempotent. An agent that
+    called :func:`instrument` itself (its own bridge, service name) keeps that provider."""
     if _provider is not None:
         return _provider
     return instrument(service_name, bridge_url, set_global=True, auth_token=auth_token)

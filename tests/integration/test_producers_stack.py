@@ -38,6 +38,19 @@ from tests.integration.services import topic_prefix as _prefix
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def _process_provider_restored():
+    """Tests here call ``instrument()`` with their own (private) bridges, which makes that
+    provider the process's and binds the frameworks' instrumentations to it; afterwards the
+    process's provider (if any) is put back, so a later test's runner does not export to a
+    bridge that is gone."""
+    before = inst._provider
+    yield
+    inst._provider = before
+    if before is not None:
+        inst.instrument_frameworks(before)
+
+
 @pytest.fixture(scope="module")
 def topics():
     """This module's ``prtest-<id>-*`` topics on the stack's Kafka (started if it is not)."""

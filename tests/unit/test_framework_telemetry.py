@@ -139,3 +139,27 @@ def test_propagation_keeps_an_existing_traceparent_and_is_idempotent():
     assert seen[0] is None
     assert seen[1].split("-")[2] == format(sp.get_span_context().span_id, "016x")
     assert seen[2] == "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+
+
+def test_frameworks_follow_the_newest_provider(completions_server, langchain_to):
+    """A second ``instrument()`` (another bridge) re-binds the frameworks' instrumentations:
+    LangChain's spans go to the newest provider, none to the first -- found when a test's
+    ``instrument(..., private bridge)`` left a later runner's framework spans going to a
+    bridge that was gone."""
+    from langchain_openai import ChatOpenAI
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    first, second = InMemorySpanExporter(), InMemorySpanExporter()
+    providers = []
+    for exporter in (first, second):
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        providers.append(provider)
+    langchain_to(providers[0])
+    assert "langchain_core" not in instrument.instrument_frameworks(providers[0])  # same provider: kept
+    assert "langchain_core" in instrument.instrument_frameworks(providers[1])
+    llm = ChatOpenAI(base_url=completions_server, api_key="x", model="m", max_retries=0)
+    assert llm.invoke("question").content == "SELECT 1"
+    assert first.get_finished_spans() == () and len(second.get_finished_spans()) >= 1
