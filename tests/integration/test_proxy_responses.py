@@ -39,10 +39,12 @@ def ends(settings, topic: T.Topic = T.SPANS) -> dict[int, int]:
 
 
 def spans_of(settings, rid: str, since: dict[int, int], topic: T.Topic = T.SPANS) -> list[dict]:
-    """The spans of rollout ``rid`` written after ``since`` (the proxy answers after Kafka's
-    ack, so they are there when the client has its answer), in sequence order."""
+    """The proxy's spans of rollout ``rid`` written after ``since`` (the proxy answers after
+    Kafka's ack, so they are there when the client has its answer), in sequence order; not
+    the client's own OTel spans that may join the rollout by trace id (stream_jobs/joining.py)."""
     records = asyncio.run(read_records(settings.kafka_bootstrap, topic.name, since))
-    spans = [decode(topic.record, v) for _, _, k, v in records if k == rid.encode()]
+    spans = [s for s in (decode(topic.record, v) for _, _, k, v in records if k == rid.encode())
+             if s["source"] == "proxy"]
     return sorted(spans, key=lambda s: s["sequence_id"])
 
 
