@@ -142,9 +142,8 @@ FRAMEWORK_INSTRUMENTORS = (
      {"exclusive_processor": True}),
     ("autogen_agentchat", "openinference.instrumentation.autogen_agentchat", "AutogenAgentChatInstrumentor", {}),
 )
-_instrumented: set[str] = set()
-#: the provider each instrumented framework writes to (framework module -> provider)
-_framework_provider: dict[str, object] = {}
+#: the instrumented frameworks and the provider each writes to (framework module -> provider)
+_instrumented: dict[str, TracerProvider] = {}
 
 
 def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
@@ -165,7 +164,7 @@ def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
     for framework, module, cls, kwargs in FRAMEWORK_INSTRUMENTORS:
         if importlib.util.find_spec(framework) is None:
             continue
-        if framework in _instrumented and _framework_provider.get(framework) is provider:
+        if _instrumented.get(framework) is provider:
             continue
         try:
             instrumentor = getattr(importlib.import_module(module), cls)()
@@ -174,8 +173,7 @@ def instrument_frameworks(provider: TracerProvider | None = None) -> list[str]:
         if framework in _instrumented:
             instrumentor.uninstrument()
         instrumentor.instrument(tracer_provider=provider, **kwargs)
-        _instrumented.add(framework)
-        _framework_provider[framework] = provider
+        _instrumented[framework] = provider
         done.append(framework)
     propagate_trace_context()
     return done

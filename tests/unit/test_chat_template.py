@@ -43,8 +43,7 @@ def test_without_tools_it_renders_smollm2s_chatml():
 @pytest.mark.parametrize("generation", [True, False])
 def test_without_tools_it_renders_exactly_what_the_models_own_template_does(messages, generation):
     own = Settings().model_dir / "chat_template.jinja"
-    if not own.exists():
-        pytest.skip(f"no converted model at {own.parent} (python -m spanrl.infra.model)")
+    assert own.exists(), f"no converted model at {own.parent}: `make test` / `make test-unit` convert it first"
     assert render(messages, generation=generation) == render(messages, template=own.read_text(), generation=generation)
 
 

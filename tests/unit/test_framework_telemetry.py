@@ -71,12 +71,12 @@ def langchain_to(completions_server):
     def to(provider):
         if "langchain_core" in instrument._instrumented:
             LangChainInstrumentor().uninstrument()
-            instrument._instrumented.discard("langchain_core")
+            instrument._instrumented.pop("langchain_core", None)
         instrument.instrument_frameworks(provider)
 
     yield to
     LangChainInstrumentor().uninstrument()
-    instrument._instrumented.discard("langchain_core")
+    instrument._instrumented.pop("langchain_core", None)
     if before:  # back to the process's provider (instrument_frameworks' default)
         instrument.instrument_frameworks()
 
