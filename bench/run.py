@@ -211,7 +211,9 @@ class SpanrlSide:
 
         return (self.names["rollouts"], rid.encode(), codec.encode("rollout", {
             "rollout_id": rid, "attempt_id": "0", "task_id": task, "status": status, "group_size": 4,
-            "runner_id": "bench", "timestamp_ms": int(time.time() * 1000)}))
+            "runner_id": "bench", "timestamp_ms": int(time.time() * 1000),
+            # as the runner: a terminal event is sent after the rollout's spans were acknowledged
+            "inputs_acked": status != "started" and self.a.inputs_acked}))
 
     async def run(self, profile_dir: Path | None) -> dict:
         from aiokafka import AIOKafkaProducer
@@ -269,12 +271,12 @@ class SpanrlSide:
                 for name, pid in self.pids().items()]
 
     async def _send_rollouts(self, producer, exp, rids: list[str], work: dict) -> None:
-        for rid in rids:  # terminal lifecycle events, as a runner publishes them
+        spans = [s for rid in rids for s in work[rid]]
+        await asyncio.to_thread(export_ok, exp, spans)  # acknowledged by the bridge after Kafka's ack
+        for rid in rids:  # then the terminal lifecycle events, as a runner publishes them
             t, k, v = self.lifecycle(rid, rid, "succeeded")
             await producer.send(t, v, key=k)
         await producer.flush()
-        spans = [s for rid in rids for s in work[rid]]
-        await asyncio.to_thread(export_ok, exp, spans)
 
     async def _throughput_run(self, producer, exp, r: int) -> dict:
         n, shape = self.a.rollouts, self.shape
@@ -300,10 +302,14 @@ class SpanrlSide:
                 "cpu_s": cpu, "cpu_s_total": sum(cpu.values()),
                 "dead_letters": {k: v - dead0.get(k, 0) for k, v in self.dead_letters().items() if v != dead0.get(k, 0)}}
 
-    def dead_letters(self) -> dict[str, int]:
-        """The worker's dead letters so far, by reason (its /spanrl/counters/ page)."""
+    def counters(self) -> dict:
+        """The worker's /spanrl/counters/ page."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/spanrl/counters/", timeout=5) as r:
-            return json.loads(r.read())["dead_letters_out"]
+            return json.loads(r.read())
+
+    def dead_letters(self) -> dict[str, int]:
+        """The worker's dead letters so far, by reason."""
+        return self.counters()["dead_letters_out"]
 
     async def _latency(self, producer, exp) -> dict:
         n, rate, shape = self.a.latency_rollouts, self.a.latency_rate, self.shape
@@ -317,18 +323,20 @@ class SpanrlSide:
         t_start = time.perf_counter()
         for i, rid in enumerate(rids):
             await asyncio.sleep(max(0.0, t_start + i / rate - time.perf_counter()))
-            t, k, v = self.lifecycle(rid, rid, "succeeded")
-            await producer.send_and_wait(t, v, key=k)
             sent[rid] = time.perf_counter()  # the rollout's spans, final reward last, go now
             await asyncio.to_thread(export_ok, exp, work[rid])
+            t, k, v = self.lifecycle(rid, rid, "succeeded")  # then its terminal event, as a runner does
+            await producer.send_and_wait(t, v, key=k)
         await self.wait_for(rids, 120)
         lat = [self.seen[r][shape.llm_calls - 1] - sent[r] for r in rids
                if len(self.seen.get(r, ())) >= shape.llm_calls]
         return {"offered_rollouts_per_s": rate, "offered_spans_per_s": rate * shape.spans_per_rollout,
                 "rollouts": n, "complete": len(lat), "p50_s": med(lat), "p99_s": pct(lat, 0.99), "max_s": max(lat),
+                "latencies_s": sorted(round(x, 4) for x in lat), "worker_emitted_by": self.counters().get("emitted_by"),
                 "settle_s": self.a.settle_s, "tick_s": self.a.tick_s, "commit_interval_s": self.a.commit_interval_s,
-                "measured_from": "client starts the OTLP export holding the final reward span (after the "
-                                 "terminal lifecycle event was acked)",
+                "inputs_acked": self.a.inputs_acked,
+                "measured_from": "client starts the OTLP export holding the final reward span (the terminal "
+                                 "lifecycle event follows once the export was acknowledged)",
                 "measured_to": "last transition of the rollout read (read_committed) from the transitions topic"}
 
     def _wire(self) -> dict:
@@ -449,6 +457,8 @@ def main(argv=None) -> None:
     p.add_argument("--commit-interval-s", type=float, default=None,
                    help="SPANRL_STREAM_COMMIT_INTERVAL_S (default: the worker's, 0.5; Faust's own default is 2.8)")
 
+    p.add_argument("--no-inputs-acked", dest="inputs_acked", action="store_false",
+                   help="terminal events without inputs_acked: the worker's settle_s wait (the rule before issue 11)")
     p.add_argument("--latency-rollouts", type=int, default=40)
     p.add_argument("--latency-rate", type=float, default=4.0, help="rollouts/s offered in the latency phase")
     p.add_argument("--agl-version", default="0.3.0")

@@ -120,16 +120,20 @@ class Runner:
                  timeout_s: float | None = None, concurrency: int = 8, group_id: str = "spanrl-runners",
                  bootstrap: str | None = None, proxy_url: str | None = None, topics: Topics | None = None,
                  runner_id: str | None = None, settings=None, record_to: str | None = None,
-                 telemetry: bool = True):
+                 telemetry: bool = True, external_spans: bool = False):
         """``record_to="eval"``: evaluation episodes (their OTel spans go to the evaluation
         topics; see :func:`spanrl.producers.instrument.rollout_context`). ``telemetry``: make sure
         this process exports OTel spans to the bridge, the agent frameworks' included
         (:func:`spanrl.producers.instrument.ensure_instrumented`), so that each LLM call's agent is
-        known from the framework's own spans."""
+        known from the framework's own spans. ``external_spans``: the agent's spans also come
+        from an exporter this runner cannot flush (another process, its own tracer provider);
+        its terminal events then do not claim ``inputs_acked`` and the stream job waits its
+        ``settle_s`` grace for them (stream_jobs/assembly.py)."""
         from spanrl.infra.settings import get_settings
 
         s = settings or get_settings()
         self.record_to = record_to
+        self.external_spans = external_spans
         if telemetry:
             instrument.ensure_instrumented(runner_id or "spanrl-runner", bridge_url=s.bridge_url,
                                            auth_token=s.auth_token)
@@ -166,10 +170,11 @@ class Runner:
                 wait = min(10.0, wait * 2)
 
     # ---- one attempt
-    def _event(self, ctx: RolloutContext, status: str, group_size: int, error: str | None = None) -> dict:
+    def _event(self, ctx: RolloutContext, status: str, group_size: int, error: str | None = None,
+               inputs_acked: bool = False) -> dict:
         return {"rollout_id": ctx.rollout_id, "attempt_id": ctx.attempt_id, "task_id": ctx.task_id,
                 "status": status, "group_size": group_size, "runner_id": self.runner_id,
-                "timestamp_ms": now_ms(), "error": error}
+                "timestamp_ms": now_ms(), "error": error, "inputs_acked": inputs_acked}
 
     async def run_attempt(self, task: dict) -> AttemptResult:
         rollout_id, attempt_id = uuid.uuid4().hex, "0"
@@ -199,10 +204,17 @@ class Runner:
                 status, error = "timeout", f"attempt exceeded {timeout}s"
             except Exception as exc:  # noqa: BLE001 - the agent's failure is data
                 status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
-            await asyncio.to_thread(instrument.flush)
-            items = [(self.topics.rewards, rollout_id, r) for r in ctx.rewards]
-            items.append((self.topics.rollouts, rollout_id, self._event(ctx, status, group_size, error)))
-            await self._retrying(f"rollout {rollout_id} {status}", lambda: self.sink.produce(items))
+            # The terminal event goes out only after Kafka acknowledged every record of the
+            # attempt: the proxy acks each call's span before it answers, the flush exports the
+            # OTel spans to the bridge (which answers after its Kafka ack), and the rewards are
+            # produced first. So the event may say inputs_acked, and the stream job emits the
+            # attempt as soon as it has read up to where the partitions ended at this event.
+            flushed = await asyncio.to_thread(instrument.flush)
+            rewards = [(self.topics.rewards, rollout_id, r) for r in ctx.rewards]
+            await self._retrying(f"rollout {rollout_id} rewards", lambda: self.sink.produce(rewards))
+            end = [(self.topics.rollouts, rollout_id,
+                    self._event(ctx, status, group_size, error, inputs_acked=flushed and not self.external_spans))]
+            await self._retrying(f"rollout {rollout_id} {status}", lambda: self.sink.produce(end))
         log.info("task %s rollout %s: %s%s", ctx.task_id, rollout_id, status, f" ({error})" if error else "")
         return AttemptResult(ctx.task_id, rollout_id, attempt_id, status, error, result)
 

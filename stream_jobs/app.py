@@ -254,6 +254,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     rollout_clock, group_clock, join_clock = TimeoutClock(), TimeoutClock(), TimeoutClock()
     dead_reasons: Counter = Counter()
     agent_counts: Counter = Counter()  # (agent, trained | excluded) -> calls
+    emitted_by: Counter = Counter()  # emitted attempts by the rule that let them out
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     # Timeouts: a timer cannot write tables or produce inside a transaction (no event),
@@ -265,7 +266,6 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     samples_out = app.topic(cfg.samples_topic, **raw)
     dead_out = app.topic(cfg.dead_letter_topic, **raw)
     accounts_out = app.topic(cfg.call_accounts_topic, **raw)
-    spans_out = app.topic(cfg.spans_topic, **raw)  # joined spans (stream_jobs/joining.py)
     # the trace join's repartition topic: proxy calls' (trace id -> rollout attempt), keyed by
     # trace id like orphan-spans; private to the app (named by its id) like the tick topics
     trace_links = app.topic(f"{cfg.app_id}-trace-links", **raw)
@@ -354,6 +354,60 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     kinds = {cfg.spans_topic: ("span", "spans_in"), cfg.rewards_topic: ("reward", "rewards_in"),
              cfg.rollouts_topic: ("rollout", "rollout_events_in")}
+    roles = {cfg.spans_topic: "spans", cfg.rewards_topic: "rewards", cfg.rollouts_topic: "rollouts"}
+    # The emission rule (assembly.inputs_consumed), in memory only: per partition the next
+    # offset to process of each input topic (one past the last record handled), and the
+    # rollouts whose attempts wait for those positions to pass their inputs bound. After a
+    # rebalance both start empty; attempts then fall back to the settle_s grace.
+    positions: dict[int, dict[str, int]] = {}
+    waiting: dict[int, dict[str, dict[str, int]]] = {}
+    plain: dict[str, Any] = {}  # non-transactional clients, made on first use
+
+    async def inputs_bound(partition: int) -> dict[str, int]:
+        """End offsets (high watermarks) of the spans and rewards partitions ``partition``,
+        read now: a bound on every input of an attempt whose terminal event, sent after
+        those inputs were acknowledged, has just been consumed."""
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.structs import TopicPartition
+
+        reader = plain.get("offsets")
+        if reader is None:
+            reader = plain["offsets"] = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap, enable_auto_commit=False)
+            await reader.start()
+        tps = {"spans": TopicPartition(cfg.spans_topic, partition),
+               "rewards": TopicPartition(cfg.rewards_topic, partition)}
+        ends = await reader.end_offsets(list(tps.values()))
+        counters["inputs_bounds_read"] += 1
+        return {role: int(ends[tp]) for role, tp in tps.items()}
+
+    async def emit(out: assembly.Outcome) -> None:
+        emitted_by.update(out.emitted_by)
+        await send_transitions(out.transitions)
+        await send_dead(out.dead_letters)
+        await send_accounts(out.accounts)
+
+    def note_waiting(partition: int, rid: str, state: dict) -> None:
+        need = assembly.awaiting_inputs(state)
+        if need is None:
+            waiting.get(partition, {}).pop(rid, None)
+        else:
+            waiting.setdefault(partition, {})[rid] = need
+
+    async def release_waiting(partition: int, now: int) -> None:
+        """Advance the rollouts of ``partition`` whose inputs bound the positions now pass."""
+        pos = positions.get(partition, {})
+        ready = [rid for rid, need in waiting.get(partition, {}).items()
+                 if assembly.inputs_consumed(need, pos)]
+        for rid in ready:
+            state = rollouts.get(rid)
+            if state is None:
+                waiting[partition].pop(rid, None)
+                continue
+            out = assembly.advance(state, calls, assembly_cfg, now, pos)
+            if out.changed:
+                rollouts[rid] = state
+            note_waiting(partition, rid, state)
+            await emit(out)
 
     # internal=True: Faust declares (creates if missing) these topics with `partitions`
     # before subscribing - that is how the tick topic gets the inputs' partition count
@@ -370,6 +424,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 continue
             record_type, counter = kinds[msg.topic]
             counters[counter] += 1
+            # handled from here on, also when it is dead-lettered below
+            positions.setdefault(msg.partition, {})[roles[msg.topic]] = msg.offset + 1
             try:
                 record = codec.decode(record_type, msg.value)
             except codec.SchemaError as exc:
@@ -384,6 +440,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                     continue
                 now = _now_ms()
             state = rollouts.get(rid) or assembly.new_state(rid, msg.partition)
+            p = msg.partition
             if record_type == "span" and cfg.join_traces:
                 link = joining.trace_link(record, now)
                 if link is not None:  # re-keyed by trace id for the join agent
@@ -394,26 +451,29 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             elif record_type == "reward":
                 out = assembly.add_reward(state, record, now)
             else:
-                out = assembly.add_rollout_event(state, record, now)
+                bound = await inputs_bound(p) if assembly.wants_inputs_bound(state, record) else None
+                out = assembly.add_rollout_event(state, record, now, bound)
+            pos = positions[p]
             input_dead, changed = out.dead_letters, out.changed
-            out = assembly.advance(state, calls, assembly_cfg, now)
+            out = assembly.advance(state, calls, assembly_cfg, now, pos)
             if changed or out.changed:  # a table write is a changelog record
                 rollouts[rid] = state
+            note_waiting(p, rid, state)
             await send_dead(input_dead, msg, msg.value)
-            await send_transitions(out.transitions)
-            await send_dead(out.dead_letters)
-            await send_accounts(out.accounts)
+            await emit(out)
+            if waiting.get(p):
+                await release_waiting(p, now)
 
     async def _tick_rollout(rid: str, state: dict, now: int) -> None:
         if assembly.expired(state, now, cfg.retain_s):
             del rollouts[rid]
             return
-        out = assembly.advance(state, calls, assembly_cfg, now)
+        p = state.get("partition")
+        out = assembly.advance(state, calls, assembly_cfg, now, positions.get(p))
         if out.changed:
             rollouts[rid] = state
-            await send_transitions(out.transitions)
-            await send_dead(out.dead_letters)
-            await send_accounts(out.accounts)
+            note_waiting(p, rid, state)
+            await emit(out)
 
     async def _tick_group(tid: str, state: dict, now: int) -> None:
         out = grouping.advance(state, group_transitions, grouping_cfg, now)
@@ -443,8 +503,21 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             await send_dead(out.dead_letters)
 
     async def send_joined(records: list[dict]) -> None:
+        """Joined spans go back to ``spans`` with a plain (non-transactional) idempotent
+        producer, acknowledged before the orphan's offset can commit: ``spans`` then holds no
+        transaction markers, so its offsets are contiguous records, which the emission rule
+        (assembly.inputs_consumed) counts on. At least once: after a crash the join may send
+        a span again; the assembler counts a span id once."""
+        from aiokafka import AIOKafkaProducer
+
+        producer = plain.get("joined")
+        if producer is None:
+            producer = plain["joined"] = AIOKafkaProducer(
+                bootstrap_servers=cfg.bootstrap, enable_idempotence=True, acks="all",
+                max_request_size=MAX_RECORD_BYTES)
+            await producer.start()
         for sp in records:
-            await spans_out.send(key=sp["rollout_id"].encode(), value=codec.encode("span", sp))
+            await producer.send_and_wait(cfg.spans_topic, codec.encode("span", sp), key=sp["rollout_id"].encode())
             counters["spans_joined"] += 1
 
     async def _tick_trace(tid: str, state: dict, now: int) -> None:
@@ -505,9 +578,17 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     @app.on_before_shutdown.connect
     async def _stop_ticker(app, **kwargs) -> None:
-        producer = ticker.pop("producer", None)
-        if producer is not None:
-            await producer.stop()
+        for client in [ticker.pop("producer", None), plain.pop("joined", None), plain.pop("offsets", None)]:
+            if client is not None:
+                await client.stop()
+
+    @app.on_partitions_revoked.connect
+    async def _forget_positions(app, revoked, **kwargs) -> None:
+        # another worker may handle these partitions now; when they come back, their
+        # positions are learnt again from the records handled (until then: settle_s)
+        for tp in revoked:
+            positions.pop(tp.partition, None)
+            waiting.pop(tp.partition, None)
 
     @app.page("/spanrl/counters/")
     async def counters_view(web, request):
@@ -520,6 +601,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             "calls_by_agent": {f"{agent}|{how}": n for (agent, how), n in sorted(agent_counts.items())},
             "trace_links_out": counters["trace_links_out"], "trace_links_in": counters["trace_links_in"],
             "orphans_in": counters["orphans_in"], "spans_joined": counters["spans_joined"],
+            "inputs_bounds_read": counters["inputs_bounds_read"], "emitted_by": dict(emitted_by),
         })
 
     @app.page("/spanrl/health/")

@@ -10,9 +10,18 @@ An attempt (``attempt_id``) of a rollout is assembled on its own. Inputs may arr
 any order. An attempt ends, exactly once, in one of:
 
 - **emitted**: it has a terminal lifecycle status (succeeded | failed | timeout) AND a
-  final reward R, and ``settle_s`` have passed since both were present (Kafka does not
-  order records across the spans/rewards/rollouts topics, so a call's span may be
-  consumed after the reward; calls arriving later are dead-lettered ``late_span``)
+  final reward R, AND its inputs are known to be consumed (:func:`inputs_consumed`):
+  Kafka does not order records across the spans/rewards/rollouts topics, so a call's span
+  may be consumed after the reward. A terminal event that says ``inputs_acked`` (the
+  runner publishes it only after Kafka acknowledged every span and reward of the attempt)
+  gets an *inputs bound* from the app: the end offsets of the spans and rewards partitions
+  the rollout lives on, read when the event was consumed. Every input of the attempt lies
+  below them, so the attempt is complete once the worker has processed those partitions
+  up to the bound (``positions``: next offset to process per input topic). Without a bound
+  (an event from another producer, an agent with spans of its own exporter that the runner
+  cannot flush) or without positions (just after a restart), the old wall-clock rule
+  applies: ``settle_s`` after both were present. Calls arriving later are dead-lettered
+  ``late_span``
   -> one transition per selected call, in call order, each credited by
   the credit rule (LightningRL, arXiv 2508.03680 s3.3.2: identical credit, reward R);
   with zero selected calls -> one dead letter ``no_llm_calls`` instead.
@@ -165,11 +174,14 @@ class Outcome:
     dead_letters: list[dict] = field(default_factory=list)
     changed: bool = False  # the state changed and must be written back
     accounts: list[dict] = field(default_factory=list)  # call accounts of ended attempts
+    #: per emitted attempt, the rule that let it out: ``inputs_bound`` | ``settle_s``
+    emitted_by: list[str] = field(default_factory=list)
 
     def extend(self, other: "Outcome") -> "Outcome":
         self.transitions += other.transitions
         self.dead_letters += other.dead_letters
         self.accounts += other.accounts
+        self.emitted_by += other.emitted_by
         self.changed = self.changed or other.changed
         return self
 
@@ -338,9 +350,12 @@ def add_reward(state: dict, reward: dict, now_ms: int) -> Outcome:
     return out
 
 
-def add_rollout_event(state: dict, event: dict, now_ms: int) -> Outcome:
-    """Record one lifecycle event (decoded rollout.v1). The first terminal status wins;
-    a ``started`` arriving after it does not reopen the attempt."""
+def add_rollout_event(state: dict, event: dict, now_ms: int,
+                      inputs_bound: dict[str, int] | None = None) -> Outcome:
+    """Record one lifecycle event (decoded rollout.v2). The first terminal status wins;
+    a ``started`` arriving after it does not reopen the attempt. ``inputs_bound``: input
+    topic role (``spans``, ``rewards``) -> end offset of the state's partition when the
+    event was consumed; kept only for a terminal event with ``inputs_acked`` (module doc)."""
     a = _attempt(state, event["attempt_id"], now_ms)
     a["task_id"] = a["task_id"] or event["task_id"]
     a["group_size"] = a["group_size"] or int(event["group_size"])
@@ -350,11 +365,50 @@ def add_rollout_event(state: dict, event: dict, now_ms: int) -> Outcome:
         if status in TERMINAL:
             a["ended_ms"] = now_ms
             a["error"] = event.get("error")
+            if event.get("inputs_acked") and inputs_bound is not None:
+                a["inputs_bound"] = {role: int(o) for role, o in sorted(inputs_bound.items())}
     return Outcome(changed=True)
 
 
-def advance(state: dict, store: MutableMapping, config: AssemblyConfig, now_ms: int) -> Outcome:
+def wants_inputs_bound(state: dict, event: dict) -> bool:
+    """Whether the app should read an inputs bound for this lifecycle event: it is the
+    first terminal event of its attempt and says ``inputs_acked``."""
+    a = state["attempts"].get(event["attempt_id"])
+    return (bool(event.get("inputs_acked")) and event["status"] in TERMINAL
+            and (a is None or a["status"] not in TERMINAL))
+
+
+def inputs_consumed(bound: dict[str, int] | None, positions: dict[str, int] | None) -> bool | None:
+    """Whether every input below ``bound`` has been processed.
+
+    bound: input topic role -> end offset (exclusive) of the attempt's partition, read
+    after the attempt's terminal event was consumed; since its producer had every span
+    and reward of the attempt acknowledged before it sent that event, they all lie below.
+    positions: role -> next offset the worker will process on that partition (one past
+    the last record it handled). The spans/rewards topics have only non-transactional
+    writers, so their offsets are contiguous records (no commit markers): position >= bound
+    means every record below bound was handled.
+
+    Returns True / False, or None when it cannot be told (no bound, or a role without a
+    known position, e.g. no record of that partition handled since the worker started).
+    """
+    if bound is None or positions is None:
+        return None
+    known = True
+    for role, end in bound.items():
+        pos = positions.get(role)
+        if pos is None:
+            known = False
+        elif pos < end:
+            return False
+    return True if known else None
+
+
+def advance(state: dict, store: MutableMapping, config: AssemblyConfig, now_ms: int,
+            positions: dict[str, int] | None = None) -> Outcome:
     """Finish every attempt that can be finished at ``now_ms`` (see module doc).
+    ``positions``: input topic role -> next offset the worker processes on the state's
+    partition (:func:`inputs_consumed`); None: unknown.
 
     Call after each input and periodically. Marks finished attempts ``done`` (so a
     second call emits nothing) and removes their calls from ``store``.
@@ -364,12 +418,25 @@ def advance(state: dict, store: MutableMapping, config: AssemblyConfig, now_ms: 
         a = state["attempts"][aid]
         if a["done"] is not None:
             continue
-        out.extend(_advance_attempt(state["rollout_id"], aid, a, store, config, now_ms))
+        out.extend(_advance_attempt(state["rollout_id"], aid, a, store, config, now_ms, positions))
     return out
 
 
+def awaiting_inputs(state: dict) -> dict[str, int] | None:
+    """The inputs bound that attempts of this state wait for before they can be emitted
+    (per role the highest over such attempts), or None when none waits: the app
+    re-advances the state once its partition's positions pass it."""
+    need: dict[str, int] = {}
+    for a in state["attempts"].values():
+        bound = a.get("inputs_bound")
+        if a["done"] is None and bound and a["status"] in TERMINAL:
+            for role, end in bound.items():
+                need[role] = max(end, need.get(role, end))
+    return need or None
+
+
 def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
-                     config: AssemblyConfig, now_ms: int) -> Outcome:
+                     config: AssemblyConfig, now_ms: int, positions: dict[str, int] | None = None) -> Outcome:
     out = Outcome()
 
     def dead(reason: str, detail: str, trained: frozenset = frozenset()) -> Outcome:
@@ -402,7 +469,10 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
     if a["ready_ms"] is None:
         a["ready_ms"] = now_ms
         out.changed = True
-    if now_ms - a["ready_ms"] < config.settle_s * 1000:
+    consumed = inputs_consumed(a.get("inputs_bound"), positions)
+    if consumed is False:
+        return out  # some of its spans/rewards may be unread yet: never emit early
+    if consumed is None and now_ms - a["ready_ms"] < config.settle_s * 1000:
         return out
     resolved = resolved_agents(a)
     chosen = selected_calls(a, config.agents, resolved)
@@ -413,6 +483,7 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
                        if excluded else ""))
     out.transitions = build_transitions(rid, aid, a, R, store, config.credit_rule, chosen, resolved)
     out.accounts.append(call_account(rid, aid, a, EMITTED, frozenset(chosen), config, now_ms, resolved))
+    out.emitted_by.append("inputs_bound" if consumed else "settle_s")
     out.changed = True
     _finish(rid, aid, a, store, EMITTED, now_ms)
     return out

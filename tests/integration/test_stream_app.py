@@ -227,7 +227,9 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
                         "dead_letters_out": {"schema_error": 1},
                         "call_accounts_out": 4, "calls_by_agent": {"solver|trained": 8},
                         # the test's spans have no trace parent: no trace links, nothing joined
-                        "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0}
+                        "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0,
+                        # no terminal event says inputs_acked: all let out by the settle time
+                        "inputs_bounds_read": 0, "emitted_by": {"settle_s": 4}}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
@@ -250,6 +252,16 @@ def _start_worker(names: dict, app_id: str, web_port: int, log_path: Path, **ext
     return subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "info"],
                             cwd=log_path.parent, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def _stop_and_delete(procs: list[subprocess.Popen], names: dict, app_id: str) -> None:
+    """Stop the test's processes, then delete its topics (best effort)."""
+    for proc in procs:
+        stop_process_group(proc, grace_s=15)
+    try:
+        asyncio.run(_admin("delete", names, app_id))
+    except Exception:
+        pass
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -406,11 +418,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
         assert down.headers["retry-after"] and httpx.get(bridge_url + "/metrics").json().get("spans", 0) == 0
     finally:
         stop_process_group(bridge, grace_s=10)
-        stop_process_group(worker, grace_s=15)
-        try:
-            asyncio.run(_admin("delete", names, app_id))
-        except Exception:
-            pass
+        _stop_and_delete([worker], names, app_id)
         minio.remove_object(bucket, altered_key)
     worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
 
@@ -480,11 +488,7 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
                                 and any(sp["source"] == "otlp" for sp in g["spans"]), 90))
         counters = _counters(web_port)
     finally:
-        stop_process_group(worker, grace_s=15)
-        try:
-            asyncio.run(_admin("delete", names, app_id))
-        except Exception:
-            pass
+        _stop_and_delete([worker], names, app_id)
     worker_log = log.read_text(errors="replace")[-3000:]
     trs = got["transitions"]
     assert [(t["span_id"], t["call_index"], t["rollout_transition_count"]) for t in trs] == [
@@ -564,12 +568,7 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
     finally:
         instrumentor.uninstrument()
         provider.shutdown()
-        for proc in (bridge, proxy, worker):
-            stop_process_group(proc, grace_s=15)
-        try:
-            asyncio.run(_admin("delete", names, app_id))
-        except Exception:
-            pass
+        _stop_and_delete([bridge, proxy, worker], names, app_id)
     worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
     assert answer.choices[0].message.content is not None
 
@@ -604,3 +603,41 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
     assert {k: counters[k] for k in ("trace_links_out", "trace_links_in", "orphans_in", "spans_joined",
                                      "transitions_out")} == {
         "trace_links_out": 1, "trace_links_in": 1, "orphans_in": 3, "spans_joined": 2, "transitions_out": 1}
+
+
+def test_acked_terminal_event_is_emitted_without_the_settle_wait(tmp_path, kafka_minio):
+    """A terminal event with inputs_acked (sent, as the runner does, after its spans and reward
+    were acknowledged) is emitted once the worker has read the spans/rewards partitions up to
+    their end offsets at that event: with a settle time of 600 s its transitions still come
+    out. A rollout without the flag, produced before it, still waits its settle time."""
+    suffix = uuid.uuid4().hex[:8]
+    names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
+    asyncio.run(_admin("create", names))
+    web_port = _free_port()
+    worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", SPANRL_SETTLE_S="600")
+
+    def acked(rid):
+        return (names["rollouts"], rid, codec.encode("rollout", {
+            "rollout_id": rid, "attempt_id": "a0", "task_id": f"task-{rid}", "status": "succeeded",
+            "group_size": 1, "timestamp_ms": 3, "inputs_acked": True}))
+    try:
+        _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
+        slow = [_lifecycle(names, "rslow", "started"), (names["spans"], "rslow", codec.encode("span", _span("rslow", 0, "s0"))),
+                _reward(names, "rslow", 1.0), _lifecycle(names, "rslow", "succeeded")]
+        fast = [_lifecycle(names, "rfast", "started")] + [
+            (names["spans"], "rfast", codec.encode("span", _span("rfast", i, f"f{i}", completion=(3 + i,))))
+            for i in range(3)] + [_reward(names, "rfast", 0.5), acked("rfast")]
+        asyncio.run(_produce(slow + fast))  # one at a time, each acknowledged before the next
+        got = asyncio.run(_read(names, ("transitions",), lambda g: len(g["transitions"]) >= 3, 90))
+        # a few seconds more: the unflagged rollout must not come out (its settle is 600 s)
+        more = asyncio.run(_read(names, ("transitions",), lambda g: False, 3))
+        counters = _counters(web_port)
+    finally:
+        _stop_and_delete([worker], names, app_id)
+    log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+    trs = got["transitions"]
+    assert [(t["rollout_id"], t["span_id"], t["completion_token_ids"], t["reward"]) for t in trs] == [
+        ("rfast", "f0", [3], 0.5), ("rfast", "f1", [4], 0.5), ("rfast", "f2", [5], 0.5)], log
+    assert [t["rollout_id"] for t in more["transitions"]] == ["rfast"] * 3, log
+    assert counters["inputs_bounds_read"] == 1 and counters["transitions_out"] == 3, counters
+    assert counters["emitted_by"] == {"inputs_bound": 1}, counters

@@ -59,7 +59,7 @@ def _close(a, b):
 
 
 #: record types whose newest schema is past v1, and the fields that version added (with defaults)
-NEWER = {"checkpoint": (2, {"event": "published", "detail": None})}
+NEWER = {"checkpoint": (2, {"event": "published", "detail": None}), "rollout": (2, {"inputs_acked": False})}
 
 
 @pytest.mark.parametrize("record_type", sorted(RECORDS))

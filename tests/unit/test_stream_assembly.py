@@ -372,3 +372,72 @@ def test_agent_counts_of_call_accounts():
         "rewrite_query": {"calls": 2, "trained": 2, "excluded": 0},
         "write_query": {"calls": 2, "trained": 2, "excluded": 0}}
     assert agent_counts([]) == {}
+
+
+# ---- the emission rule: inputs bound vs positions (no wall-clock wait) ----
+
+def acked(status="succeeded", attempt="a0"):
+    return {**lifecycle(status, attempt), "inputs_acked": True}
+
+def test_inputs_consumed_rule():
+    bound = {"spans": 10, "rewards": 4}
+    assert assembly.inputs_consumed(bound, {"spans": 10, "rewards": 4}) is True
+    assert assembly.inputs_consumed(bound, {"spans": 12, "rewards": 9, "rollouts": 3}) is True
+    assert assembly.inputs_consumed(bound, {"spans": 9, "rewards": 4}) is False
+    assert assembly.inputs_consumed(bound, {"spans": 9}) is False      # one known behind: False
+    assert assembly.inputs_consumed(bound, {"spans": 10}) is None      # rewards position unknown
+    assert assembly.inputs_consumed(None, {"spans": 10, "rewards": 4}) is None
+    assert assembly.inputs_consumed(bound, None) is None
+    assert assembly.inputs_consumed({}, {}) is True
+
+def test_acked_attempt_emits_as_soon_as_positions_pass_the_bound():
+    """No settle wait: emitted at the same instant the worker has read up to the bound, and
+    not a millisecond before even if settle_s has long passed."""
+    state, store = assembly.new_state("r1"), {}
+    assembly.add_span(state, span("a", 1), store, CFG, 0)
+    assembly.add_reward(state, reward(1.0), 0)
+    assert assembly.wants_inputs_bound(state, acked())
+    assembly.add_rollout_event(state, acked(), 0, inputs_bound={"spans": 7, "rewards": 3})
+    assert not assembly.wants_inputs_bound(state, acked())  # only the first terminal event
+    assert state["attempts"]["a0"]["inputs_bound"] == {"rewards": 3, "spans": 7}
+    assert assembly.awaiting_inputs(state) == {"rewards": 3, "spans": 7}
+    # spans partition read up to offset 5 only: wait, even 60 s later (settle_s is 2)
+    assert assembly.advance(state, store, CFG, 0, {"spans": 5, "rewards": 3}).transitions == []
+    assert assembly.advance(state, store, CFG, 60 * S, {"spans": 6, "rewards": 3}).transitions == []
+    assembly.add_span(state, span("b", 2), store, CFG, 60 * S)  # the span at offset 6
+    out = assembly.advance(state, store, CFG, 60 * S, {"spans": 7, "rewards": 3})
+    assert [t["span_id"] for t in out.transitions] == ["a", "b"]
+    assert assembly.awaiting_inputs(state) is None
+
+def test_acked_attempt_emits_at_once_when_already_read():
+    state, store = assembly.new_state("r1"), {}
+    assembly.add_span(state, span("a", 1), store, CFG, 0)
+    assembly.add_reward(state, reward(0.5), 0)
+    assembly.add_rollout_event(state, acked(), 5, inputs_bound={"spans": 1, "rewards": 1})
+    out = assembly.advance(state, store, CFG, 5, {"spans": 1, "rewards": 1, "rollouts": 9})
+    assert [(t["span_id"], t["reward"]) for t in out.transitions] == [("a", 0.5)]
+
+def test_unknown_positions_fall_back_to_settle_time():
+    """Just after a restart the worker knows no positions: the bound cannot be checked, so
+    the settle_s grace applies as for events that do not say inputs_acked."""
+    state, store = assembly.new_state("r1"), {}
+    assembly.add_span(state, span("a", 1), store, CFG, 0)
+    assembly.add_reward(state, reward(1.0), 0)
+    assembly.add_rollout_event(state, acked(), 0, inputs_bound={"spans": 1, "rewards": 1})
+    assert assembly.advance(state, store, CFG, 0, {"rewards": 1}).transitions == []
+    assert assembly.advance(state, store, CFG, 1999, {"rewards": 1}).transitions == []
+    assert len(assembly.advance(state, store, CFG, 2000, {"rewards": 1}).transitions) == 1
+
+def test_bound_is_ignored_without_inputs_acked_and_reward_still_required():
+    state, store = assembly.new_state("r1"), {}
+    assembly.add_span(state, span("a", 1), store, CFG, 0)
+    assert not assembly.wants_inputs_bound(state, lifecycle("succeeded"))
+    assembly.add_rollout_event(state, lifecycle("succeeded"), 0, inputs_bound={"spans": 1, "rewards": 0})
+    assert "inputs_bound" not in state["attempts"]["a0"] and assembly.awaiting_inputs(state) is None
+    # an acked attempt without its final reward waits for it (and times out as before)
+    s2, st2 = assembly.new_state("r1"), {}
+    assembly.add_span(s2, span("a", 1), st2, CFG, 0)
+    assembly.add_rollout_event(s2, acked(), 0, inputs_bound={"spans": 1, "rewards": 0})
+    assert assembly.advance(s2, st2, CFG, 1 * S, {"spans": 1, "rewards": 0}).transitions == []
+    out = assembly.advance(s2, st2, CFG, 10 * S, {"spans": 1, "rewards": 0})
+    assert [d["reason"] for d in out.dead_letters] == ["no_reward_before_timeout"]
