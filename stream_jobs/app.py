@@ -30,6 +30,7 @@ from spanrl.schemas import codec, topics
 from spanrl.stream_jobs import assembly, grouping, joining
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.clock import TimeoutClock
+from spanrl.stream_jobs.ticking import TickIndex
 from spanrl.stream_jobs.credit import parse_credit_rule
 
 log = logging.getLogger(__name__)
@@ -362,6 +363,14 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     positions: dict[int, dict[str, int]] = {}
     waiting: dict[int, dict[str, dict[str, int]]] = {}
     plain: dict[str, Any] = {}  # non-transactional clients, made on first use
+    rollout_index = TickIndex()  # the rollout states a tick visits (stream_jobs/ticking.py)
+
+    def rollout_expiry(state: dict) -> int | None:
+        return assembly.expires_at(state, cfg.retain_s)
+
+    def put_rollout(rid: str, state: dict) -> None:
+        rollouts[rid] = state
+        rollout_index.note(state["partition"], rid, rollout_expiry(state))
 
     async def inputs_bound(partition: int) -> dict[str, int]:
         """End offsets (high watermarks) of the spans and rewards partitions ``partition``,
@@ -405,7 +414,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 continue
             out = assembly.advance(state, calls, assembly_cfg, now, pos)
             if out.changed:
-                rollouts[rid] = state
+                put_rollout(rid, state)
             note_waiting(partition, rid, state)
             await emit(out)
 
@@ -420,7 +429,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         async for event in stream.events():
             msg = event.message
             now = _now_ms()
-            if await _ticked(msg, now, rollout_ticks, rollout_clock, rollouts, _tick_rollout):
+            if await _ticked(msg, now, rollout_ticks, rollout_clock, rollouts, _tick_rollout,
+                             rollout_index, rollout_expiry):
                 continue
             record_type, counter = kinds[msg.topic]
             counters[counter] += 1
@@ -457,7 +467,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             input_dead, changed = out.dead_letters, out.changed
             out = assembly.advance(state, calls, assembly_cfg, now, pos)
             if changed or out.changed:  # a table write is a changelog record
-                rollouts[rid] = state
+                put_rollout(rid, state)
             note_waiting(p, rid, state)
             await send_dead(input_dead, msg, msg.value)
             await emit(out)
@@ -467,11 +477,12 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     async def _tick_rollout(rid: str, state: dict, now: int) -> None:
         if assembly.expired(state, now, cfg.retain_s):
             del rollouts[rid]
+            rollout_index.drop(state["partition"], rid)
             return
         p = state.get("partition")
         out = assembly.advance(state, calls, assembly_cfg, now, positions.get(p))
         if out.changed:
-            rollouts[rid] = state
+            put_rollout(rid, state)
             note_waiting(p, rid, state)
             await emit(out)
 
@@ -589,6 +600,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         for tp in revoked:
             positions.pop(tp.partition, None)
             waiting.pop(tp.partition, None)
+            rollout_index.forget(tp.partition)
 
     @app.page("/spanrl/counters/")
     async def counters_view(web, request):
@@ -619,20 +631,35 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     return app
 
 
-async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle) -> bool:
+async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle,
+                  index: TickIndex | None = None, expires_at=None) -> bool:
     """Whether ``msg`` is a record of the tick topic ``ticks``. A tick on partition p is
     judged at ``clock``'s time for p (None: skipped) and ``await handle(key, state, time)``
     runs for every state of ``table`` that lives on p (its changelog writes belong to p's
-    transaction); any other record is an input, noted by ``clock``."""
+    transaction) - with an ``index`` (stream_jobs/ticking.py), only for its live states and
+    those due to expire (``expires_at(state)``); any other record is an input, noted by
+    ``clock``."""
     if msg.topic != ticks.get_topic_name():
         clock.saw_input(msg.partition, now, _record_ms(msg))
         return False
-    tick_now = clock.tick_now(msg.partition, now)
-    if tick_now is not None:
-        for key in list(table.keys()):
-            state = table.get(key)
-            if state is not None and state.get("partition") == msg.partition:
-                await handle(key, state, tick_now)
+    p = msg.partition
+    tick_now = clock.tick_now(p, now)
+    if tick_now is None:
+        return True
+    if index is None:
+        keys = list(table.keys())
+    else:
+        if not index.scanned(p):
+            index.rebuild(p, ((k, s) for k, s in ((k, table.get(k)) for k in list(table.keys()))
+                              if s is not None and s.get("partition") == p), expires_at)
+        keys = index.visit(p, tick_now)
+    for key in keys:
+        state = table.get(key)
+        if state is None:
+            if index is not None:
+                index.drop(p, key)
+        elif state.get("partition") == p:
+            await handle(key, state, tick_now)
     return True
 
 

@@ -565,9 +565,17 @@ def _finish(rid: str, aid: str, a: dict, store: MutableMapping, how: str, now_ms
     return None
 
 
+def expires_at(state: dict, retain_s: float) -> int | None:
+    """When the state may be deleted (ms): ``retain_s`` after its last attempt finished,
+    once every attempt is done; None while one is not (or it has none)."""
+    attempts = state["attempts"].values()
+    if not attempts or any(a["done"] is None for a in attempts):
+        return None
+    return max(a["done_ms"] for a in attempts) + int(retain_s * 1000)
+
+
 def expired(state: dict, now_ms: int, retain_s: float) -> bool:
     """True when every attempt is done and the last finished ``retain_s`` ago or more:
     the state can be deleted (late inputs after that start a fresh state)."""
-    attempts = state["attempts"].values()
-    return bool(attempts) and all(
-        a["done"] is not None and now_ms - a["done_ms"] >= retain_s * 1000 for a in attempts)
+    t = expires_at(state, retain_s)
+    return t is not None and now_ms >= t

@@ -1,0 +1,79 @@
+"""Which states a tick must visit: an in-memory index beside a Faust table.
+
+A tick on partition p judges the timeouts of the states that live on p
+(stream_jobs/app.py). Visiting every state of the table on every tick costs
+O(states) per tick, and a table keeps finished rollouts for ``SPANRL_STREAM_RETAIN_S``
+(1 h) so that re-deliveries stay no-ops: in a sustained run that is ~10^5 states, visited
+8 times a second. The index keeps, per partition, the *live* keys (a timeout may fire:
+visited on every tick) apart from the *finished* ones, which only need one visit, when
+they expire (a min-heap by expiry time).
+
+The index is not state: it is rebuilt from the table (one scan of the partition's keys)
+at the first tick of a partition after the worker starts or the partition comes back.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+class TickIndex:
+    """Live keys and expiry times per partition. ``expires_at`` (ms) None: live."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, set[str]] = {}
+        self._due: dict[int, dict[str, int]] = {}
+        self._heap: dict[int, list[tuple[int, str]]] = {}
+
+    def scanned(self, partition: int) -> bool:
+        """Whether the partition's keys are indexed (else: :meth:`rebuild` first)."""
+        return partition in self._live
+
+    def rebuild(self, partition: int, items: Iterable[tuple[str, Any]], expires_at: Callable[[Any], int | None]) -> None:
+        """Index ``(key, state)`` pairs of ``partition`` (a scan of the table)."""
+        self.forget(partition)
+        self._live[partition] = set()
+        for key, state in items:
+            self.note(partition, key, expires_at(state))
+
+    def note(self, partition: int, key: str, expires_at: int | None) -> None:
+        """The state ``key`` of ``partition`` was written: live, or finished until ``expires_at``."""
+        if partition not in self._live:
+            return  # not scanned yet: the scan at the next tick will see this key
+        due = self._due.setdefault(partition, {})
+        if expires_at is None:
+            self._live[partition].add(key)
+            due.pop(key, None)
+        else:
+            self._live[partition].discard(key)
+            if due.get(key) != expires_at:
+                due[key] = expires_at
+                heapq.heappush(self._heap.setdefault(partition, []), (expires_at, key))
+
+    def drop(self, partition: int, key: str) -> None:
+        """The state ``key`` was deleted."""
+        self._live.get(partition, set()).discard(key)
+        self._due.get(partition, {}).pop(key, None)
+
+    def visit(self, partition: int, now_ms: int) -> list[str]:
+        """Keys a tick at ``now_ms`` visits: every live key (sorted) and every finished key
+        whose expiry time has come (each once; it is live or re-noted after the visit)."""
+        keys = sorted(self._live.get(partition, ()))
+        heap, due = self._heap.get(partition, []), self._due.get(partition, {})
+        while heap and heap[0][0] <= now_ms:
+            t, key = heapq.heappop(heap)
+            if due.get(key) == t:  # else a stale entry: re-noted or dropped since
+                del due[key]
+                keys.append(key)
+        return keys
+
+    def forget(self, partition: int) -> None:
+        """Drop the partition's index (revoked; rebuilt by the next scan)."""
+        self._live.pop(partition, None)
+        self._due.pop(partition, None)
+        self._heap.pop(partition, None)
+
+    def size(self, partition: int) -> tuple[int, int]:
+        """(live keys, finished keys) of ``partition``."""
+        return len(self._live.get(partition, ())), len(self._due.get(partition, {}))

@@ -1,0 +1,42 @@
+from spanrl.stream_jobs import assembly
+from spanrl.stream_jobs.ticking import TickIndex
+
+
+def test_live_keys_every_tick_finished_keys_once_at_expiry():
+    ix = TickIndex()
+    assert not ix.scanned(0)
+    ix.note(0, "x", None)  # before the scan: ignored, the scan will see it
+    ix.rebuild(0, [("a", None), ("b", 500), ("c", 200)], expires_at=lambda s: s)
+    assert ix.scanned(0) and ix.size(0) == (1, 2)
+    assert ix.visit(0, 100) == ["a"]
+    assert ix.visit(0, 200) == ["a", "c"]
+    assert ix.visit(0, 300) == ["a"]             # c visited once
+    ix.note(0, "b", None)                          # b got a new attempt: live again
+    ix.note(0, "d", 250)
+    assert ix.visit(0, 1000) == ["a", "b", "d"]    # b's old expiry entry is stale
+    ix.note(0, "a", 2000)
+    ix.note(0, "a", 3000)                          # re-noted: only the newest expiry counts
+    assert ix.visit(0, 2500) == ["b"]
+    assert ix.visit(0, 3000) == ["b", "a"]
+    ix.drop(0, "b")
+    assert ix.visit(0, 4000) == [] and ix.size(0) == (0, 0)
+    ix.forget(0)
+    assert not ix.scanned(0) and ix.visit(0, 9999) == []
+
+
+def test_partitions_are_apart():
+    ix = TickIndex()
+    ix.rebuild(0, [("a", None)], expires_at=lambda s: s)
+    ix.rebuild(1, [("b", None)], expires_at=lambda s: s)
+    ix.note(1, "c", 5)
+    assert ix.visit(0, 10) == ["a"] and ix.visit(1, 10) == ["b", "c"]
+
+
+def test_expires_at_is_retain_after_the_last_finished_attempt():
+    state = assembly.new_state("r1")
+    assert assembly.expires_at(state, 60) is None  # no attempt
+    state["attempts"] = {"0": {"done": "emitted", "done_ms": 1000}, "1": {"done": None, "done_ms": None}}
+    assert assembly.expires_at(state, 60) is None
+    state["attempts"]["1"] = {"done": "dead_letter", "done_ms": 4000}
+    assert assembly.expires_at(state, 60) == 64_000
+    assert not assembly.expired(state, 63_999, 60) and assembly.expired(state, 64_000, 60)
