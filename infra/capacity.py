@@ -216,17 +216,20 @@ def render(p: Projection, costs: Costs) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{p.spans_per_s:,.0f} spans/s = {p.rollouts_per_s:,.0f} rollouts/s -> "
-                    f"{p.transitions_per_s:,.0f} transitions/s (utilisation {p.utilisation:.0%}, "
-                    f"replication {p.replication_factor})")
-    for col in ("service", "CPU µs/span", "cores", "processes"):
+    t = Table(title=f"cores for {p.spans_per_s:,.0f} spans/s")
+    for col in ("service", "CPU µs/span (measured)", "cores", "whole cores = processes"):
         t.add_column(col, justify="left" if col == "service" else "right")
     for name in sorted(p.cores):
         t.add_row(name, f"{costs.us_per_span[name]:,.0f}", f"{p.cores[name]:,.1f}", str(p.processes[name]))
     c = Console()
+    c.print(f"{p.spans_per_s:,.0f} spans/s = {p.rollouts_per_s:,.0f} rollouts/s -> {p.transitions_per_s:,.0f} "
+            f"transitions/s; utilisation {p.utilisation:.0%}, replication factor {p.replication_factor}")
     c.print(t)
     c.print(f"partitions of spans/rewards/rollouts (>= workers): {p.partitions if p.partitions else 'n/a'}; "
             f"Kafka brokers: {p.brokers if p.brokers else 'n/a'}; costs from {costs.source}")
+    if KAFKA in p.cores:
+        c.print(f"kafka cores include replication x{p.replication_factor} (estimate: the µs were measured on one "
+                "unreplicated broker)")
     for n in p.notes:
         c.print(f"[yellow]{n}[/yellow]")
 
