@@ -1,6 +1,6 @@
 """Capacity projection: measured CPU cost per span -> cores per service and partitions.
 
-    python -m spanrl.infra.capacity --from bench/results/latest.json --spans-per-s 100000
+    python -m spanrl.infra.capacity --from bench/results/latest-sustained.json --spans-per-s 100000
 
 The model (CPU accounting only, no queueing): a service that spends
 ``c`` CPU µs per span needs ``rate × c × 1e-6`` cores to keep up with ``rate`` spans/s,
@@ -12,8 +12,8 @@ The Kafka broker's cost measured on one broker without replication is multiplied
 replication factor (each follower appends the same bytes and the leader serves its fetch:
 an upper-bound estimate, not measured here).
 
-The figures come from the sustained benchmark's JSON (``bench/results/latest.json``, see
-:func:`costs_from_bench` for the fields read) or from flags.
+The figures come from a benchmark's JSON (the sustained run's ``bench/results/latest-sustained.json``
+or a burst ``latest.json``; :func:`costs_from_bench` names the fields read) or from flags.
 """
 from __future__ import annotations
 
@@ -155,11 +155,50 @@ def _candidates(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return out
 
 
-def costs_from_bench(doc: Mapping[str, Any], source: str = "bench") -> Costs:
+def service_costs(processes: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """CPU µs per span per service from a sustained run's per-process figures: processes named
+    SERVICE or SERVICE<n> (``bridge0``, ``bridge1``, ``worker0``, ``kafka``) are summed per
+    service; the broker's ``cpu_us_per_span_minus_idle`` (its idle CPU taken out) is preferred
+    when present; other processes (the load generator ``client``) are left out."""
+    out: dict[str, float] = {}
+    for name, fig in processes.items():
+        service = _canonical(name.rstrip("0123456789"))
+        if service not in SERVICES or not isinstance(fig, Mapping):
+            continue
+        us = fig.get("cpu_us_per_span_minus_idle", fig.get("cpu_us_per_span"))
+        if us is not None:
+            out[service] = out.get(service, 0.0) + float(us)
+    return out
+
+
+def _sustained_side(doc: Mapping[str, Any], source: str, side: int) -> Costs | None:
+    """The costs of run ``side`` of a sustained result (``spanrl``: a list of runs, one per
+    worker/bridge count, as ``bench.sustained`` writes it), or None for other layouts."""
+    sides = doc.get("spanrl")
+    if not isinstance(sides, list) or not sides:
+        return None
+    index = side % len(sides)
+    run = sides[index]
+    us = service_costs(run.get("processes") or {})
+    rollouts = run.get("rollouts")
+    spr = (doc.get("workload") or {}).get("spans_per_rollout") or (run["spans"] / rollouts if rollouts else None)
+    tpr = run["expected_transitions"] / rollouts if rollouts and "expected_transitions" in run else None
+    missing = [n for n, v in (("processes[].cpu_us_per_span", us), ("spans_per_rollout", spr),
+                              ("transitions_per_rollout", tpr)) if not v and v != 0]
+    if missing:
+        raise CostsMissing(f"{source}: run {index}: no {', '.join(missing)}")
+    label = f"{source} (run {index}: {run.get('workers', '?')} workers, {run.get('bridges', '?')} bridges)"
+    return Costs(us, float(spr), float(tpr), label)
+
+
+def costs_from_bench(doc: Mapping[str, Any], source: str = "bench", side: int = -1) -> Costs:
     """The costs in a benchmark result (``bench/results/*.json``).
 
-    Read, in the first of ``sustained.spanrl``, ``sustained``, ``spanrl.sustained``,
-    ``spanrl``, top level that has them:
+    A sustained result (``spanrl`` is a list of runs, ``bench.sustained``): run ``side``
+    (default the last, the scale-out run), see :func:`service_costs`; spans per rollout from
+    ``workload.spans_per_rollout``, transitions per rollout = ``expected_transitions /
+    rollouts``. Otherwise, in the first of ``sustained.spanrl``, ``sustained``,
+    ``spanrl.sustained``, ``spanrl``, top level that has them:
     - ``cpu_us_per_span``: {service: µs} (``broker`` is read as ``kafka``), else derived
       from ``runs``: the median over runs of ``cpu_s[service] / spans × 1e6`` (the burst
       benchmark's fields);
@@ -167,6 +206,9 @@ def costs_from_bench(doc: Mapping[str, Any], source: str = "bench") -> Costs:
       of the runs divided by ``params.rollouts``.
     Raises CostsMissing naming what is absent.
     """
+    sustained = _sustained_side(doc, source, side)
+    if sustained is not None:
+        return sustained
     us: dict[str, float] = {}
     spr = tpr = None
     for node in _candidates(doc):
@@ -236,7 +278,9 @@ def render(p: Projection, costs: Costs) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--from", dest="source", type=Path, help="a bench result JSON (bench/results/latest.json)")
+    ap.add_argument("--from", dest="source", type=Path,
+                    help="a bench result JSON (bench/results/latest-sustained.json, or a burst latest.json)")
+    ap.add_argument("--run", type=int, default=-1, help="which run of a sustained result (default: the last)")
     ap.add_argument("--spans-per-s", type=float, default=100_000.0)
     for name in SERVICES:
         ap.add_argument(f"--{name}-us", type=float, help=f"CPU µs per span of the {name} (over the JSON's)")
@@ -248,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the projection as JSON")
     a = ap.parse_args(argv)
     try:
-        base = costs_from_bench(json.loads(a.source.read_text()), str(a.source)) if a.source else None
+        base = costs_from_bench(json.loads(a.source.read_text()), str(a.source), a.run) if a.source else None
         costs = merge_flags(base, {n: getattr(a, f"{n}_us") for n in SERVICES}, a.spans_per_rollout,
                             a.transitions_per_rollout)
         p = project(costs, a.spans_per_s, a.utilisation, a.replication_factor, a.cores_per_broker)

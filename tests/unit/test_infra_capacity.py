@@ -77,6 +77,31 @@ def test_costs_from_the_sustained_benchmark_win_over_the_burst():
     assert (c.spans_per_rollout, c.transitions_per_rollout) == (8, 5)
 
 
+# the layout bench.sustained writes: one entry per worker/bridge count, per-process figures
+SUSTAINED_RUNS = {"mode": "sustained", "workload": {"spans_per_rollout": 8}, "spanrl": [
+    {"workers": 1, "bridges": 1, "rollouts": 10000, "spans": 80000, "expected_transitions": 50000,
+     "processes": {"bridge0": {"cpu_us_per_span": 300.0}, "worker0": {"cpu_us_per_span": 700.0},
+                   "kafka": {"cpu_us_per_span": 260.0, "cpu_us_per_span_minus_idle": 200.0},
+                   "client": {"cpu_us_per_span": 999.0}}},
+    {"workers": 2, "bridges": 2, "rollouts": 10000, "spans": 80000, "expected_transitions": 50000,
+     "processes": {"bridge0": {"cpu_us_per_span": 160.0}, "bridge1": {"cpu_us_per_span": 170.0},
+                   "worker0": {"cpu_us_per_span": 400.0}, "worker1": {"cpu_us_per_span": 380.0},
+                   "kafka": {"cpu_us_per_span": 250.0, "cpu_us_per_span_minus_idle": 210.0},
+                   "client": {"cpu_us_per_span": 999.0}}},
+]}
+
+
+def test_costs_from_the_sustained_runs_sum_each_services_processes():
+    last = cap.costs_from_bench(SUSTAINED_RUNS, "s.json")  # default: the scale-out run
+    assert last.us_per_span == pytest.approx({"bridge": 330.0, "worker": 780.0, "kafka": 210.0})
+    assert (last.spans_per_rollout, last.transitions_per_rollout) == (8, 5)
+    assert last.source == "s.json (run 1: 2 workers, 2 bridges)"
+    first = cap.costs_from_bench(SUSTAINED_RUNS, "s.json", side=0)
+    assert first.us_per_span == pytest.approx({"bridge": 300.0, "worker": 700.0, "kafka": 200.0})
+    with pytest.raises(cap.CostsMissing, match="run 0"):
+        cap.costs_from_bench({"spanrl": [{"rollouts": 1, "spans": 8, "processes": {"client": {}}}]})
+
+
 def test_costs_missing_are_named():
     with pytest.raises(cap.CostsMissing, match="cpu_us_per_span"):
         cap.costs_from_bench({"spanrl": {"params": {"rollouts": 1}}})
