@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     faust_web_port: int = 16066
     reloader_port: int = 18090
     trainer_port: int = 18091
+    #: where services reach Kafka and MinIO when those run elsewhere (infra/deploy/: other
+    #: hosts or containers); empty: ``host:kafka_port`` / ``host:minio_port``, the local
+    #: stack. Kafka: comma-separated ``host:port`` list; MinIO: one ``host:port``
+    kafka_bootstrap_servers: str = ""
+    minio_address: str = ""
 
     #: served model name at vLLM and in spans
     model_name: str = "policy"
@@ -83,11 +88,11 @@ class Settings(BaseSettings):
 
     @property
     def kafka_bootstrap(self) -> str:
-        return f"{self.host}:{self.kafka_port}"
+        return self.kafka_bootstrap_servers or f"{self.host}:{self.kafka_port}"
 
     @property
     def minio_endpoint(self) -> str:
-        return f"{self.host}:{self.minio_port}"
+        return self.minio_address or f"{self.host}:{self.minio_port}"
 
     @property
     def vllm_url(self) -> str:

@@ -150,15 +150,19 @@ async def _quiet_stop(producer: AIOKafkaProducer | None) -> None:
         pass
 
 
-async def create_topics(bootstrap: str, wanted: tuple[Topic, ...]) -> None:
-    """Create ``wanted`` topics that do not exist yet (tests and local setups)."""
+async def create_topics(bootstrap: str, wanted: tuple[Topic, ...], replication_factor: int = 1) -> None:
+    """Create ``wanted`` topics that do not exist yet (tests and local setups; a cluster's
+    one-shot set-up job, infra/setup_job.py, passes its ``replication_factor``)."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        new = [NewTopic(t.name, t.partitions, 1, topic_configs=t.config()) for t in wanted if t.name not in existing]
+        # replicated topics: an acks=all write needs 2 replicas in sync (Kafka docs, min.insync.replicas)
+        isr = {"min.insync.replicas": "2"} if replication_factor > 1 else {}
+        new = [NewTopic(t.name, t.partitions, replication_factor, topic_configs={**t.config(), **isr})
+               for t in wanted if t.name not in existing]
         if new:
             await admin.create_topics(new)
     finally:

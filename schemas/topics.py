@@ -7,6 +7,7 @@ co-partitioning").
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 DAY_MS = 24 * 3600 * 1000
@@ -40,7 +41,11 @@ class Topic:
         }
 
 
-ROLLOUT_PARTITIONS = 4
+#: partitions of the rollout-keyed topics (and of tasks, transitions, the stream app's tables
+#: and tick topics): ``SPANRL_ROLLOUT_PARTITIONS``, the same in every process of a deployment,
+#: at least the number of Faust workers (infra/README.md, "Growing past one machine"). Fixed
+#: once the topics exist: a keyed topic's partition count is part of where its keys live.
+ROLLOUT_PARTITIONS = int(os.environ.get("SPANRL_ROLLOUT_PARTITIONS", "4"))
 
 SPANS = Topic("spans", "rollout_id", "span", ROLLOUT_PARTITIONS, retention_ms=-1)
 REWARDS = Topic("rewards", "rollout_id", "reward", ROLLOUT_PARTITIONS, retention_ms=-1)

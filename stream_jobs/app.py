@@ -69,6 +69,9 @@ class StreamConfig:
     linger_s: float = 0.02
     payload_bucket: str = "spanrl-payloads"
     claim_retry_s: float = 30.0
+    #: replication factor of the topics Faust creates (changelogs, tick and trace-link topics);
+    #: ``SPANRL_STREAM_REPLICATION_FACTOR``, 3 on a 3-broker cluster (infra/deploy/)
+    replication_factor: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -106,6 +109,7 @@ class StreamConfig:
             linger_s=float(g("SPANRL_STREAM_LINGER_S", "0.02")),
             payload_bucket=s.payload_bucket,
             claim_retry_s=float(g("SPANRL_CLAIM_RETRY_S", "30")),
+            replication_factor=int(g("SPANRL_STREAM_REPLICATION_FACTOR", "1")),
         )
 
 
@@ -241,6 +245,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         # per changelog write/output. Batching them for 20 ms cut the worker's CPU per
         # run by ~20 % in the bench (BENCHMARKS.md); a commit waits for it at most once.
         producer_linger=cfg.linger_s,
+        topic_replication_factor=cfg.replication_factor,
     )
     assembly_cfg = assembly.AssemblyConfig(
         credit_rule=parse_credit_rule(cfg.credit_rule), agents=cfg.train_agents,
