@@ -6,6 +6,7 @@ tasks topic, no lifecycle event: the service calls the proxy's plain ``/v1``, ex
 OTel spans, and sends each session's reward later, from the user's rating."""
 import asyncio
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -22,7 +23,8 @@ TASK = "support/hello"
 
 def _serve_and_rate(p, provider, model: str):
     """Users of the support service: sessions A (two turns) and B under the label, C without;
-    once their spans are all on ``spans``, the ratings (A up, B down, C up) and C rated again."""
+    once their spans are all on ``spans``, B's explicit end, the ratings (A up, B down, C up)
+    and C rated again."""
     with TestClient(create_app(p.proxy_url, model, provider, TASK, 2, max_tokens=8)) as grouped, \
             TestClient(create_app(p.proxy_url, model, provider, max_tokens=8)) as alone:
         a = grouped.post("/ask", json={"question": "Hello, who are you?"}).json()
@@ -32,6 +34,10 @@ def _serve_and_rate(p, provider, model: str):
         assert provider.force_flush(30_000)
         # 4 proxy calls + 4 invoke_agent spans joined by trace: all in before any rating
         spans = asyncio.run(_read(p.names, ("spans",), lambda g: len(g["spans"]) >= 8, 60))["spans"]
+        # B's user closed the chat: an explicit end (status failed) through the bridge, the rating later
+        end = httpx.post(f"{p.bridge_url}/v1/rollouts/{b['session']}/end", timeout=30,
+                         json={"status": "failed", "error": "user closed the chat"})
+        assert (end.status_code, end.json()) == (200, {"status": "ok", "rollout_id": b["session"]})
         ratings = [grouped.post("/feedback", json={"session": a["session"], "rating": "up"}),
                    grouped.post("/feedback", json={"session": b["session"], "rating": "down"}),
                    alone.post("/feedback", json={"session": c["session"], "rating": "up"})]
@@ -42,8 +48,8 @@ def _serve_and_rate(p, provider, model: str):
 def test_production_agent_without_runner_is_assembled_grouped_and_rewarded_late(tmp_path, settings):
     """Sessions A (two turns) and B ask under the task label ``support/hello`` (group of two),
     session C without a label (a group of one). Their spans (the proxy's records and the
-    service's ``invoke_agent`` spans, joined by trace) arrive first; the ratings come after
-    (A up, B down, C up) and end the rollouts. Out come one transition per call (exact token
+    service's ``invoke_agent`` spans, joined by trace) arrive first; then B is ended through the
+    bridge, and the ratings come (A up, B down, C up), ending A and C. Out come one transition per call (exact token
     ids, identical credit, agent ``support`` from the service's span), GRPO samples of the
     group of two (advantages +1 / -1) and C's sample in a group of one (advantage 0 in the
     sample, the batch baseline in the trainer), nothing dead-lettered."""
@@ -80,7 +86,8 @@ def test_production_agent_without_runner_is_assembled_grouped_and_rewarded_late(
     for t in trs:
         llm = calls[t["span_id"]]["llm"]
         assert (t["prompt_token_ids"], t["completion_token_ids"]) == (llm["prompt_token_ids"], llm["completion_token_ids"])
-        assert t["status"] == "succeeded" and t["attempt_id"] == "0"
+        # B's status is its explicit end's; A and C ended at their rating
+        assert (t["status"], t["attempt_id"]) == ("failed" if t["rollout_id"] == rb else "succeeded", "0")
 
     # samples: GRPO inside the labelled group; C alone in its group
     samples = sorted(got["samples"], key=lambda s: (s["transition"]["rollout_id"], s["transition"]["call_index"]))

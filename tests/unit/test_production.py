@@ -162,3 +162,24 @@ def test_a_group_of_one_gets_the_batch_baseline_in_the_trainer():
 def test_batch_baseline_of_one_sample_is_zero():
     adv = losses.singleton_batch_advantages(torch.tensor([0.0]), torch.tensor([3.0]), torch.tensor([1]))
     assert adv.tolist() == [0.0]
+
+
+def _sample(R, adv, n):
+    return {"transition": {"episode_return": R}, "advantage": adv, "group_rollouts": n}
+
+
+def test_trainer_update_advantages_by_setting():
+    from spanrl.trainer.train import sample_advantages
+
+    batch = [_sample(1.0, 0.0, 1), _sample(0.0, 0.0, 1), _sample(2.0, 1.0, 2), _sample(0.0, -1.0, 2)]
+    std = 0.6875 ** 0.5  # returns 1, 0, 2, 0: mean 0.75
+    assert sample_advantages(batch) == pytest.approx([0.25 / std, -0.75 / std, 1.0, -1.0], abs=1e-5)
+    assert sample_advantages(batch, singleton_advantage="zero") == [0.0, 0.0, 1.0, -1.0]
+    assert sample_advantages(batch, "reinforce_pp") == pytest.approx(
+        [0.25 / std, -0.75 / std, 1.25 / std, -0.75 / std], abs=1e-5)
+    no_field = [{"transition": {"episode_return": 1.0}, "advantage": 0.5}]
+    assert sample_advantages(no_field) == [0.5]
+    with pytest.raises(ValueError, match="singleton_advantage"):
+        sample_advantages(batch, singleton_advantage="mean")
+    with pytest.raises(ValueError, match="algorithm"):
+        sample_advantages(batch, "ppo")
