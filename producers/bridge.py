@@ -22,6 +22,7 @@ import math
 import os
 from collections import Counter
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from pydantic import BaseModel, Field, SecretStr
 
-from spanrl.producers import claims, edge
+from spanrl.producers import claims, edge, production
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.otlp import Converted, OtlpError, convert_request, decode_request
 from spanrl.schemas import codec
@@ -83,6 +84,17 @@ class RewardIn(BaseModel):
     span_id: str | None = None
     timestamp_ms: int | None = None
     components: dict[str, float] = {}
+
+
+class RolloutEndIn(BaseModel):
+    """POST /v1/rollouts/{rollout_id}/end body (all optional): the explicit end of a production
+    rollout (producers/production.py). ``task_id`` / ``group_size`` empty / 0: those of its calls."""
+
+    attempt_id: str = production.PRODUCTION_ATTEMPT
+    status: Literal["succeeded", "failed"] = "succeeded"
+    task_id: str = ""
+    group_size: int = Field(0, ge=0)
+    error: str | None = None
 
 
 def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
@@ -227,6 +239,25 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             return failed
         metrics["rewards"] += 1
         return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/rollouts/{rollout_id}/end")
+    async def end_rollout(rollout_id: str, end: RolloutEndIn | None = None) -> Response:
+        """A terminal lifecycle event for a rollout no runner announces (a production agent's
+        conversation is over); the stream job then finishes it as a runner's."""
+        end = end or RolloutEndIn()
+        try:
+            production.checked_id("rollout_id", rollout_id)
+        except edge.BadRequest as exc:
+            return error(exc.status, exc.reason, exc.detail)
+        value = codec.encode(train_topics.rollouts.record, {
+            "rollout_id": rollout_id, "attempt_id": end.attempt_id, "task_id": end.task_id,
+            "status": end.status, "group_size": end.group_size, "runner_id": "bridge",
+            "timestamp_ms": now_ms(), "error": end.error})
+        failed = await produce([(train_topics.rollouts, rollout_id, value)])
+        if failed is not None:
+            return failed
+        metrics["rollout_ends"] += 1
+        return JSONResponse({"status": "ok", "rollout_id": rollout_id})
 
     @app.get("/health")
     async def health() -> dict:

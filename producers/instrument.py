@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from pydantic import SecretStr
 
 from spanrl.producers.edge import bearer_headers
+from spanrl.producers.production import PRODUCTION_ATTEMPT
 
 # spanrl attribute keys (the bridge reads the same names)
 ROLLOUT_ID = "spanrl.rollout_id"
@@ -275,14 +276,22 @@ def check_reward(value: float, components: dict[str, float] | None = None) -> No
 
 
 def emit_reward(value: float, final: bool = True, name: str = "reward", span_id: str | None = None,
+                rollout_id: str | None = None, attempt_id: str = PRODUCTION_ATTEMPT,
                 **components: float) -> None:
     """Emit a ``spanrl.reward`` span in the current rollout (the bridge makes it a Reward).
 
     ``final=True``: the episode return R; ``False``: an intermediate reward, optionally
     tied to the call ``span_id``. ``components`` are named parts of the value.
-    Raises ValueError for NaN/inf, RuntimeError outside :func:`rollout_context`.
+    ``rollout_id``: reward that rollout instead (e.g. later, for a production agent's rollout:
+    the ``x-spanrl-rollout-id`` the proxy answered, producers/production.py; ``attempt_id``
+    defaults to a production rollout's).
+    Raises ValueError for NaN/inf, RuntimeError outside :func:`rollout_context` without
+    ``rollout_id``.
     """
     check_reward(value, components)
+    if rollout_id is not None:
+        with rollout_context(rollout_id, attempt_id):
+            return emit_reward(value, final, name, span_id, **components)
     if _current.get() is None:
         raise RuntimeError("emit_reward() called outside rollout_context()")
     attrs: dict[str, object] = {REWARD_VALUE: float(value), REWARD_FINAL: bool(final), REWARD_NAME: name}

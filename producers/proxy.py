@@ -19,6 +19,11 @@ The same API under ``{proxy}/eval/{sampling}/rollouts/...`` records to the evalu
 use, so evaluation calls are logged like any other but never trained on; ``{sampling}`` is
 ``agent`` (the client's own sampling) or a temperature every call gets (``0``: greedy).
 
+An agent that no runner launched (in production) uses the plain base URL ``{proxy}/v1``:
+the rollout comes from the ``x-spanrl-rollout-id`` request header (minted when absent and
+returned in the same response header), the group from ``x-spanrl-task`` /
+``x-spanrl-group-size`` (producers/production.py).
+
 Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
 (their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
 (producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids.
@@ -53,7 +58,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, messages, responses, streaming
+from spanrl.producers import claims, edge, messages, production, responses, streaming
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
@@ -325,6 +330,8 @@ class CallContext:
     #: the client's API when it is not vLLM's (served as this chat call, the span's
     #: ``spanrl.api``): ``responses.RESPONSES`` or :data:`MESSAGES`
     api: str | None = None
+    #: extra span attributes (a production call's rollout: producers/production.py)
+    attributes: dict | None = None
 
 
 class PolicyVersionIn(BaseModel):
@@ -421,7 +428,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
 
     async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
                    topics: Topics = train_topics, sampling: str | None = None,
-                   api: str | None = None) -> Response:
+                   api: str | None = None, attributes: dict | None = None) -> Response:
         """One recorded vLLM call. ``api``: the client's API when it is not vLLM's, served as a
         chat call: ``responses.RESPONSES`` (producers/responses.py, answered as a Response
         object or its event stream) or :data:`MESSAGES` (producers/messages.py, answered as a
@@ -454,7 +461,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
         ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
-                          parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api)
+                          parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api,
+                          attributes)
         if streamed and api == responses.RESPONSES:
             events = responses.ResponseEvents(client_body, body)
             return await stream(ctx, path, lambda chunk: sse_events(events.chunk(chunk)),
@@ -500,6 +508,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         }
         if ctx.api:
             span["attributes"]["spanrl.api"] = ctx.api
+        span["attributes"].update(ctx.attributes or {})
         return span
 
     def dead_letter(topics: Topics, reason: str, detail: str, rollout_id: str, payload: dict) -> tuple:
@@ -642,6 +651,38 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                 policy.vllm_unreachable()
             return error(503, "vllm_unavailable", repr(exc), {"Retry-After": RETRY_AFTER_S})
         return Response(upstream.content, upstream.status_code, media_type="application/json")
+
+    # ---- production agents: the plain base URL {proxy}/v1, rollout from headers (producers/production.py)
+    async def production_call(endpoint: str, path: str, request: Request, api: str | None = None) -> Response:
+        try:
+            rollout = production.production_rollout(request.headers)
+        except BadRequest as exc:
+            return error(exc.status, exc.reason, exc.detail, param=exc.param)
+        metrics["production_requests"] += 1
+        response = await call(endpoint, path, rollout.rollout_id, production.PRODUCTION_ATTEMPT, request,
+                              api=api, attributes=production.span_attributes(rollout))
+        response.headers[production.ROLLOUT_HEADER] = rollout.rollout_id
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def production_chat(request: Request) -> Response:
+        return await production_call(CHAT, "/v1/chat/completions", request)
+
+    @app.post("/v1/completions")
+    async def production_completions(request: Request) -> Response:
+        return await production_call(COMPLETIONS, "/v1/completions", request)
+
+    @app.post("/v1/responses")
+    async def production_responses(request: Request) -> Response:
+        return await production_call(CHAT, "/v1/chat/completions", request, api=responses.RESPONSES)
+
+    @app.post("/v1/messages")
+    async def production_messages(request: Request) -> Response:
+        return await production_call(CHAT, "/v1/chat/completions", request, api=MESSAGES)
+
+    @app.get("/v1/models")
+    async def production_models() -> Response:
+        return await models("", "")  # the same answer for every rollout
 
     @app.get("/admin/policy_version")
     async def get_version() -> dict:

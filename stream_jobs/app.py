@@ -63,6 +63,8 @@ class StreamConfig:
     group_timeout_s: float = 120.0
     rollout_timeout_s: float = 900.0
     settle_s: float = 2.0
+    #: a production rollout (no runner) ends after this long without input (assembly.production_end)
+    production_idle_s: float = 300.0
     retain_s: float = 3600.0
     tick_s: float = 0.5
     commit_interval_s: float = 0.5
@@ -103,6 +105,7 @@ class StreamConfig:
             group_timeout_s=float(g("SPANRL_GROUP_TIMEOUT_S", "120")),
             rollout_timeout_s=float(g("SPANRL_ROLLOUT_TIMEOUT_S", "900")),
             settle_s=float(g("SPANRL_SETTLE_S", "2")),
+            production_idle_s=float(g("SPANRL_PRODUCTION_IDLE_S", "300")),
             retain_s=float(g("SPANRL_STREAM_RETAIN_S", "3600")),
             tick_s=float(g("SPANRL_STREAM_TICK_S", "0.5")),
             commit_interval_s=float(g("SPANRL_STREAM_COMMIT_INTERVAL_S", "0.5")),
@@ -250,7 +253,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     assembly_cfg = assembly.AssemblyConfig(
         credit_rule=parse_credit_rule(cfg.credit_rule), agents=cfg.train_agents,
         reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
-        settle_s=cfg.settle_s, max_call_bytes=max_call_bytes())
+        settle_s=cfg.settle_s, max_call_bytes=max_call_bytes(), production_idle_s=cfg.production_idle_s)
     grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)
     join_cfg = joining.JoinConfig(orphan_timeout_s=cfg.orphan_timeout_s, orphan_topic=cfg.orphan_spans_topic)
     rollout_partitions = topics.SPANS.partitions

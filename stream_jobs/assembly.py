@@ -35,6 +35,13 @@ any order. An attempt ends, exactly once, in one of:
   attempt never had a lifecycle event nor a selected call (e.g. a reward for a rollout
   id no runner announced: a typo, or an evaluator scoring another run's rollout).
 
+A *production* attempt (an agent no runner launched: its calls reach the proxy's plain
+``/v1`` routes, producers/production.py) begins at its first call, whose span gives its task
+and group size (:func:`production_begin`), and, having no runner to send a terminal event,
+ends at its first final reward, at an explicit end (a lifecycle event from the bridge) or
+``production_idle_s`` after its last input (:func:`production_end`); from there on it is
+finished like any attempt.
+
 Calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source == "proxy"``) or
 carrying token data (``llm`` set), ordered by ``(sequence_id, span_id)``. Every other span
 (the agent framework's own telemetry, via the bridge) is kept as a *link* (its parent span
@@ -63,6 +70,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
+from spanrl.producers import production
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
 
@@ -160,6 +168,7 @@ class AssemblyConfig:
     rollout_timeout_s: float = 900.0
     settle_s: float = 2.0
     max_call_bytes: int | None = None
+    production_idle_s: float = 300.0  # a production rollout's idle end (:func:`production_end`)
 
     def __post_init__(self):
         if self.agents is not None and not isinstance(self.agents, AgentSelector):
@@ -293,6 +302,7 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         out.changed = True
         return out
     a = _attempt(state, aid, now_ms)
+    production_begin(a, span)
     out.changed = True
     if sid in a["calls"] or sid in a["bad_spans"]:
         return out  # re-delivered span: counted once
@@ -418,6 +428,7 @@ def advance(state: dict, store: MutableMapping, config: AssemblyConfig, now_ms: 
         a = state["attempts"][aid]
         if a["done"] is not None:
             continue
+        out.changed = production_end(a, config, now_ms) or out.changed
         out.extend(_advance_attempt(state["rollout_id"], aid, a, store, config, now_ms, positions))
     return out
 
@@ -433,6 +444,40 @@ def awaiting_inputs(state: dict) -> dict[str, int] | None:
             for role, end in bound.items():
                 need[role] = max(end, need.get(role, end))
     return need or None
+
+
+def production_begin(a: dict, span: dict) -> bool:
+    """Begin a production rollout (an agent no runner launched, producers/production.py) at a
+    call whose span the proxy marked ``spanrl.origin=production``: the attempt takes the span's
+    task label and group size (unless a lifecycle event gave them) and is marked
+    ``production``, so that :func:`production_end` may end it. Returns whether the span was such
+    a call; other spans change nothing."""
+    found = production.rollout_from_span(span.get("attributes"))
+    if found is None:
+        return False
+    a["production"] = True
+    a["task_id"] = a["task_id"] or found[0]
+    a["group_size"] = a["group_size"] or found[1]
+    return True
+
+
+def production_end(a: dict, config: AssemblyConfig, now_ms: int) -> bool:
+    """End a production attempt that has no terminal lifecycle event (no runner sends one): at
+    its first final reward (a user's rating ends the episode), or ``production_idle_s`` after its
+    last input (status ``succeeded``, error ``idle``; the reward may still come within
+    ``reward_timeout_s``). An explicit end is an ordinary lifecycle event (the bridge's
+    ``POST /v1/rollouts/{rollout_id}/end``). Sets ``status``/``ended_ms`` as
+    :func:`add_rollout_event` would; returns whether it ended the attempt."""
+    if not a.get("production") or a["status"] in TERMINAL:
+        return False
+    if any(r["final"] for r in a["rewards"]):
+        a["status"], a["error"] = "succeeded", None
+    elif now_ms - a["last_ms"] >= config.production_idle_s * 1000:
+        a["status"], a["error"] = "succeeded", f"idle {config.production_idle_s:g}s"
+    else:
+        return False
+    a["ended_ms"] = now_ms
+    return True
 
 
 def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,

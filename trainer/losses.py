@@ -150,3 +150,21 @@ def reinforce_pp_advantages(returns: torch.Tensor, eps: float = 1e-6) -> torch.T
     """
     r = returns.float()
     return (r - r.mean()) / (r.std(unbiased=False) + eps)
+
+
+def singleton_batch_advantages(group_advantages: torch.Tensor, returns: torch.Tensor,
+                               group_rollouts: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages, with the REINFORCE++ batch baseline for samples of a group of one.
+
+    A group of one rollout (a production agent's rollout with no task label, a task whose
+    group timed out with one member) has GRPO advantage 0: it would never train. Such samples
+    get ``(R - mean_batch R) / (std_batch R + eps)`` instead, the returns normalised over the
+    whole batch (Hu et al. 2025, arXiv 2501.03262 s3.2, as :func:`reinforce_pp_advantages`);
+    samples of larger groups keep their group advantage (arXiv 2402.03300 s4.1.2).
+
+    group_advantages, returns, group_rollouts: ``[N]`` (a sample's ``advantage``,
+    ``transition.episode_return``, ``group_rollouts``). Returns ``[N]`` float32.
+    """
+    baseline = reinforce_pp_advantages(returns, eps)
+    return torch.where(group_rollouts <= 1, baseline, group_advantages.float())
+

@@ -61,6 +61,9 @@ class TrainerConfig(BaseSettings):
     samples_topic: str = topics.SAMPLES.name
     checkpoints_topic: str = topics.CHECKPOINTS.name
     algorithm: str = "grpo"  # grpo: use each sample's group advantage; reinforce_pp: batch-normalised returns
+    #: grpo, a sample of a group of one: "batch" = the REINFORCE++ batch baseline
+    #: (losses.singleton_batch_advantages), "zero" = GRPO's 0 (such samples do not train)
+    singleton_advantage: str = "batch"
     lr: float = 1e-5
     weight_decay: float = 0.0
     clip_eps: float = 0.2
@@ -164,20 +167,37 @@ def load_model(model_dir: Path):
 
 # ---- one update (algorithm) -----------------------------------------------------------
 
+def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_advantage: str = "batch") -> list[float]:
+    """The advantage of each sample in an update. ``reinforce_pp``: the batch's returns
+    normalised (:func:`losses.reinforce_pp_advantages`); ``grpo``: the sample's group
+    advantage, except, with ``singleton_advantage="batch"``, samples of a group of one
+    (``group_rollouts`` 1), which get the batch baseline
+    (:func:`losses.singleton_batch_advantages`); ``"zero"`` keeps their 0. Hand-made
+    samples without ``group_rollouts`` (tests, bench) keep their own advantage. Raises
+    ValueError for an unknown algorithm or singleton_advantage."""
+    returns = torch.tensor([s["transition"]["episode_return"] for s in samples])
+    if algorithm == "reinforce_pp":
+        return losses.reinforce_pp_advantages(returns).tolist()
+    if algorithm != "grpo":
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    advantages = [s["advantage"] for s in samples]
+    if singleton_advantage == "zero":
+        return advantages
+    if singleton_advantage != "batch":
+        raise ValueError(f"unknown singleton_advantage {singleton_advantage!r}")
+    return losses.singleton_batch_advantages(
+        torch.tensor(advantages), returns, torch.tensor([s.get("group_rollouts", 2) for s in samples])).tolist()
+
+
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
                  pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0,
-                 micro_batch_tokens: int | None = None, loss_agg: str = "token_mean") -> dict:
+                 micro_batch_tokens: int | None = None, loss_agg: str = "token_mean",
+                 singleton_advantage: str = "batch") -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` optimizer steps, each over all
     samples, micro-batched; ``loss_agg`` weighs tokens (``losses.sequence_loss_weights``:
     token_mean or per_rollout_mean); returns metrics of the update."""
     t0 = time.perf_counter()
-    if algorithm == "reinforce_pp":
-        returns = torch.tensor([s["transition"]["episode_return"] for s in samples])
-        advantages = losses.reinforce_pp_advantages(returns).tolist()
-    elif algorithm == "grpo":
-        advantages = [s["advantage"] for s in samples]
-    else:
-        raise ValueError(f"unknown algorithm {algorithm!r}")
+    advantages = sample_advantages(samples, algorithm, singleton_advantage)
     if micro_batch_tokens:  # pack by padded tokens, longest first
         groups = batching.token_budget_batches(samples, micro_batch_tokens, micro_batch)
     else:
@@ -601,6 +621,7 @@ class Trainer:
             train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
             micro_batch_tokens=self.cfg.micro_batch_tokens,
             ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
+            singleton_advantage=self.cfg.singleton_advantage,
             kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg)
         before = dict(self.state.trained_offsets)
         for p, off, _ in head:

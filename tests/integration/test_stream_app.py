@@ -26,7 +26,9 @@ import sys
 import time
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import hashlib
 import io
@@ -514,6 +516,52 @@ def _start_service(module: str, port: int, prefix: str, log_path: Path, *args: s
                             cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@contextmanager
+def _private_pipeline(tmp_path: Path, **worker_env: str):
+    """The bridge and the proxy from this checkout (free ports, the stack's vLLM behind the
+    proxy) and a Faust worker, on new private ``sjtest-<id>-*`` topics; yields their names and
+    URLs once all three answer, and stops them and deletes the topics after the block."""
+    suffix = uuid.uuid4().hex[:8]
+    names, app_id, prefix = _names(suffix), f"sjtest-stream-{suffix}", f"sjtest-{suffix}-"
+    asyncio.run(_admin("create", names))
+    web_port, bridge_port, proxy_port = _free_port(), _free_port(), _free_port()
+    bridge = _start_service("spanrl.producers.bridge", bridge_port, prefix, tmp_path / "bridge.log")
+    proxy = _start_service("spanrl.producers.proxy", proxy_port, prefix, tmp_path / "proxy.log", "--reloader-url", "")
+    worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", **worker_env)
+    p = SimpleNamespace(suffix=suffix, names=names, web_port=web_port, bridge_url=f"http://127.0.0.1:{bridge_port}",
+                        proxy_url=f"http://127.0.0.1:{proxy_port}")
+    try:
+        for url, proc in ((p.bridge_url + "/health", bridge), (p.proxy_url + "/health", proxy),
+                          (f"http://127.0.0.1:{web_port}/spanrl/health/", worker)):
+            _wait_http(url, proc)
+        yield p
+    finally:
+        _stop_and_delete([bridge, proxy, worker], names, app_id)
+
+
+def _join_by_trace(p: SimpleNamespace, provider, rid: str, model: str):
+    """The plain-OTel agent of the test below: one proxy call inside an agent span, one trace
+    without a call; then the runner's part by hand (lifecycle, reward). Returns the answer, the
+    spans as joined, everything read after, the worker's counters."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{p.proxy_url}/rollouts/{rid}/attempts/a0/v1", api_key="unused")
+    tracer = provider.get_tracer("plain-otel-agent")
+    with tracer.start_as_current_span("invoke_agent planner", attributes={
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "planner"}):
+        answer = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                                messages=[{"role": "user", "content": "Say hi."}])
+    with tracer.start_as_current_span("lonely step"):  # a trace with no proxy call
+        pass
+    assert provider.force_flush(30_000)
+    joined = asyncio.run(_read(p.names, ("spans",), lambda g: len(g["spans"]) >= 3, 60))["spans"]
+    asyncio.run(_produce([_lifecycle(p.names, rid, "started"), _lifecycle(p.names, rid, "succeeded"),
+                          _reward(p.names, rid, 1.0)]))
+    got = asyncio.run(_read(p.names, ("spans", "transitions", "call-accounts", "dead-letter"),
+                            lambda g: g["transitions"] and g["call-accounts"] and g["dead-letter"], 60))
+    return answer, joined, got, _counters(p.web_port)
+
+
 def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, kafka_minio, settings):
     """An agent traced only by a standard GenAI instrumentation (OpenInference's OpenAI
     instrumentor, a plain TracerProvider + OTLP exporter to the bridge; its HTTP requests carry
@@ -521,7 +569,6 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
     orphan-spans and join the call's rollout by trace id as context (the agent span names the
     call's agent), exactly one transition (the proxy's record, exact token ids), no
     missing_token_ids; a trace with no proxy call ends as no_rollout_id."""
-    import openai
     from openinference.instrumentation.openai import OpenAIInstrumentor
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
@@ -531,44 +578,20 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
     from spanrl.producers.instrument import propagate_trace_context
 
     kafka_minio.start("vllm")
-    suffix = uuid.uuid4().hex[:8]
-    names, app_id, prefix = _names(suffix), f"sjtest-stream-{suffix}", f"sjtest-{suffix}-"
-    asyncio.run(_admin("create", names))
-    web_port, bridge_port, proxy_port = _free_port(), _free_port(), _free_port()
-    bridge = _start_service("spanrl.producers.bridge", bridge_port, prefix, tmp_path / "bridge.log")
-    proxy = _start_service("spanrl.producers.proxy", proxy_port, prefix, tmp_path / "proxy.log", "--reloader-url", "")
-    worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", SPANRL_ORPHAN_TIMEOUT_S="5")
-    bridge_url, proxy_url = f"http://127.0.0.1:{bridge_port}", f"http://127.0.0.1:{proxy_port}"
-    provider = TracerProvider(resource=Resource.create({"service.name": "plain-otel-agent"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=bridge_url + "/v1/traces")))
-    instrumentor = OpenAIInstrumentor()
-    instrumentor.uninstrument()  # whatever instrumented openai before: this provider's spans only
-    instrumentor.instrument(tracer_provider=provider)
-    propagate_trace_context()  # openai>=3 sends with httpx2, which no OTel instrumentation covers
-    rid = f"join-{suffix}"
-    try:
-        for url, proc in ((bridge_url + "/health", bridge), (proxy_url + "/health", proxy),
-                          (f"http://127.0.0.1:{web_port}/spanrl/health/", worker)):
-            _wait_http(url, proc)
-        client = openai.OpenAI(base_url=f"{proxy_url}/rollouts/{rid}/attempts/a0/v1", api_key="unused")
-        tracer = provider.get_tracer("plain-otel-agent")
-        with tracer.start_as_current_span("invoke_agent planner", attributes={
-                "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "planner"}):
-            answer = client.chat.completions.create(model=settings.model_name, max_tokens=8, temperature=0,
-                                                    messages=[{"role": "user", "content": "Say hi."}])
-        with tracer.start_as_current_span("lonely step"):  # a trace with no proxy call
-            pass
-        assert provider.force_flush(30_000)
-        joined = asyncio.run(_read(names, ("spans",), lambda g: len(g["spans"]) >= 3, 60))["spans"]
-        asyncio.run(_produce([_lifecycle(names, rid, "started"), _lifecycle(names, rid, "succeeded"),
-                              _reward(names, rid, 1.0)]))
-        got = asyncio.run(_read(names, ("spans", "transitions", "call-accounts", "dead-letter"),
-                                lambda g: g["transitions"] and g["call-accounts"] and g["dead-letter"], 60))
-        counters = _counters(web_port)
-    finally:
-        instrumentor.uninstrument()
-        provider.shutdown()
-        _stop_and_delete([bridge, proxy, worker], names, app_id)
+    with _private_pipeline(tmp_path, SPANRL_ORPHAN_TIMEOUT_S="5") as p:
+        names = p.names
+        provider = TracerProvider(resource=Resource.create({"service.name": "plain-otel-agent"}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=p.bridge_url + "/v1/traces")))
+        instrumentor = OpenAIInstrumentor()
+        instrumentor.uninstrument()  # whatever instrumented openai before: this provider's spans only
+        instrumentor.instrument(tracer_provider=provider)
+        propagate_trace_context()  # openai>=3 sends with httpx2, which no OTel instrumentation covers
+        rid = f"join-{p.suffix}"
+        try:
+            answer, joined, got, counters = _join_by_trace(p, provider, rid, settings.model_name)
+        finally:
+            instrumentor.uninstrument()
+            provider.shutdown()
     worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
     assert answer.choices[0].message.content is not None
 

@@ -128,3 +128,29 @@ def test_spans_without_rollout_id_go_to_orphan_spans_keyed_by_trace_id():
     assert (orphan["rollout_id"], orphan["attempt_id"], orphan["span_id"], orphan["kind"]) == ("", "", "02" * 8, "llm")
     assert codec.decode("dead_letter", sink.sent[1][2])["reason"] == "no_rollout_id"
     assert (metrics["orphan_spans"], metrics["spans"], metrics["dead_letter.no_rollout_id"]) == (1, 1, 1)
+
+
+def test_rollout_end_is_a_terminal_lifecycle_event_on_rollouts():
+    """``POST /v1/rollouts/{rid}/end`` (a production agent's explicit end): one rollout.v1
+    record keyed by the rollout id; task "" and group size 0 unless given (the calls' win)."""
+    from spanrl.schemas import codec
+
+    sink = RecordingSink(Topics.with_prefix("t-"))
+    with TestClient(create_app(sink)) as c:
+        plain = c.post("/v1/rollouts/chat-1/end")
+        failed = c.post("/v1/rollouts/chat-2/end", json={"status": "failed", "task_id": "faq", "group_size": 2,
+                                                        "error": "user left"})
+        bad = [c.post("/v1/rollouts/chat-3/end", json={"status": "started"}),
+               c.post("/v1/rollouts/chat-3/end", json={"group_size": -1}),
+               c.post("/v1/rollouts/-x/end")]
+        metrics = c.get("/metrics").json()
+    assert (plain.status_code, plain.json()) == (200, {"status": "ok", "rollout_id": "chat-1"})
+    assert failed.status_code == 200
+    assert [(r.status_code, r.json()["error"]) for r in bad] == [
+        (422, "invalid_request"), (422, "invalid_request"), (400, "invalid_rollout_header")]
+    assert [(topic, key) for topic, key, _ in sink.sent] == [("t-rollouts", "chat-1"), ("t-rollouts", "chat-2")]
+    events = [codec.decode("rollout", v) for _, _, v in sink.sent]
+    assert [(e["rollout_id"], e["attempt_id"], e["task_id"], e["status"], e["group_size"], e["runner_id"], e["error"])
+            for e in events] == [("chat-1", "0", "", "succeeded", 0, "bridge", None),
+                                 ("chat-2", "0", "faq", "failed", 2, "bridge", "user left")]
+    assert metrics["rollout_ends"] == 2

@@ -89,3 +89,17 @@ def test_topics_prefix():
     t = Topics.with_prefix("prtest-x-")
     assert (t.spans.name, t.rewards.name, t.dead_letter.name) == ("prtest-x-spans", "prtest-x-rewards", "prtest-x-dead-letter")
     assert t.spans.partitions == Topics().spans.partitions
+
+
+def test_emit_reward_for_a_named_rollout_outside_any_context(exported):
+    """A production agent rewards a rollout later: ``rollout_id=`` (attempt "0" by default),
+    outside any rollout_context, and inside another rollout's context without touching it."""
+    _, exporter = exported
+    emit_reward(1.0, rollout_id="prod-1", name="user_rating")
+    with rollout_context("r9", "2"):
+        emit_reward(0.0, rollout_id="prod-2", attempt_id="a1")
+        emit_reward(0.5)
+    got = [(dict(s.attributes)["spanrl.rollout_id"], dict(s.attributes)["spanrl.attempt_id"],
+            dict(s.attributes)["spanrl.reward.value"], dict(s.attributes)["spanrl.reward.name"])
+           for s in exporter.get_finished_spans()]
+    assert got == [("prod-1", "0", 1.0, "user_rating"), ("prod-2", "a1", 0.0, "reward"), ("r9", "2", 0.5, "reward")]

@@ -209,3 +209,26 @@ def test_proxy_messages_route_refuses_before_vllm():
                 assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
         m = client.get("/metrics").json()
     assert (m["messages_requests"], m["eval_requests"], m["http_400"], m["http_404"]) == (6, 3, 4, 2)
+
+
+def test_production_routes_take_the_rollout_from_headers():
+    """The plain ``/v1`` routes (agents no runner launched): a bad rollout header is 400
+    ``invalid_rollout_header`` naming it, before vLLM or Kafka (unreachable here); an answer
+    carries the rollout id, minted when the app sent none."""
+    from fastapi.testclient import TestClient
+
+    from spanrl.producers.kafka import Sink, Topics
+    from spanrl.producers.proxy import create_app
+
+    app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
+    body = {"model": "other", "messages": [{"role": "user", "content": "x"}]}
+    with TestClient(app) as client:
+        bad = client.post("/v1/chat/completions", json=body, headers={"x-spanrl-group-size": "0"})
+        named = client.post("/v1/chat/completions", json=body, headers={"x-spanrl-rollout-id": "chat-9"})
+        minted = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        m = client.get("/metrics").json()
+    assert (bad.status_code, bad.json()["error"]["type"], bad.json()["error"]["param"]) == (
+        400, "invalid_rollout_header", "x-spanrl-group-size")
+    assert (named.status_code, named.headers["x-spanrl-rollout-id"]) == (404, "chat-9")  # model_not_found
+    assert minted.status_code == 404 and minted.headers["x-spanrl-rollout-id"].startswith("prod-")
+    assert (m["production_requests"], m["invalid_rollout_header"], m["model_not_found"]) == (2, 1, 2)
