@@ -182,7 +182,7 @@ def test_proxy_bad_input_is_counted():
             r = client.post(url, content=raw, headers={"content-type": ctype})
             assert r.status_code in (400, 415) and r.json()["error"]["code"] == r.status_code
         assert client.post("/admin/policy_version", json={"version": "x"}).status_code == 422
-        m = client.get("/metrics").json()
+        m = client.get("/status").json()
     assert {k: m.get(k) for k in ("requests", "http_400", "http_415", "http_422", "invalid_json",
                                   "unsupported_media_type", "invalid_request", "spans")} == {
         "requests": 4, "http_400": 3, "http_415": 1, "http_422": 1, "invalid_json": 3,
@@ -207,5 +207,5 @@ def test_proxy_messages_route_refuses_before_vllm():
             ]:
                 r = client.post(url, json=body)
                 assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
-        m = client.get("/metrics").json()
+        m = client.get("/status").json()
     assert (m["messages_requests"], m["eval_requests"], m["http_400"], m["http_404"]) == (6, 3, 4, 2)
