@@ -201,7 +201,8 @@ def trainer_families(status: Mapping) -> list:
     """Families of the trainer's ``/status`` (``TrainerState`` as a dict): counters
     ``spanrl_trainer_{updates,steps,retries}_total``, ``spanrl_trainer_skipped_samples_total{reason}``;
     gauges ``spanrl_trainer_policy_version``, ``_buffered_samples``, ``_pending_checkpoint``
-    (1 while one is unpublished) and ``spanrl_trainer_last_<metric>`` of the last update."""
+    (1 while one is unpublished) and ``spanrl_trainer_last_<metric>`` of the last update (NaN
+    before the first, or when the update did not report it)."""
     out = [prom.CounterMetricFamily("spanrl_trainer_updates", "policy updates", value=status.get("updates", 0)),
            prom.CounterMetricFamily("spanrl_trainer_steps", "optimizer steps", value=status.get("step", 0)),
            prom.CounterMetricFamily("spanrl_trainer_retries", "retried MinIO/Kafka operations since start",
@@ -214,10 +215,10 @@ def trainer_families(status: Mapping) -> list:
            prom.gauge("spanrl_trainer_pending_checkpoint", "1 while a saved checkpoint is not published yet",
                       status.get("pending_checkpoint") is not None)]
     last = status.get("last_metrics") or {}
-    for key, text in _LAST_UPDATE.items():
+    for key, text in _LAST_UPDATE.items():  # NaN until an update reports it (Prometheus' "no value")
         value = last.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            out.append(prom.gauge(f"spanrl_trainer_last_{key}", text, value))
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        out.append(prom.gauge(f"spanrl_trainer_last_{key}", text, value if ok else math.nan))
     return out
 
 
