@@ -97,6 +97,49 @@ def update_scalars(metrics: Mapping, samples: list[dict], trained_version: int) 
     return out
 
 
+_ITERATION_KEYS = ("mean_reward", "correct_rate", "format_rate", "tool_use_rate", "rollouts", "rollouts_failed",
+                   "transitions", "samples", "dead_letters", "wall_s")
+
+
+def iteration_scalars(result: Mapping) -> dict[str, float]:
+    """The tracked scalars of one main-job iteration (``asdict(IterationResult)``,
+    examples/math_agent/main_job.py): its rates and counts under ``main_job/``, the fraction
+    of its GRPO groups with zero reward variance, and the newest policy version that served
+    its calls. Keys that are missing or not numbers are left out."""
+    out = {f"main_job/{k}": float(result[k]) for k in _ITERATION_KEYS
+           if isinstance(result.get(k), (int, float)) and not isinstance(result.get(k), bool)}
+    if result.get("groups"):
+        out["main_job/zero_variance_group_fraction"] = result.get("zero_variance_groups", 0) / result["groups"]
+    if result.get("policy_versions_served"):
+        out["policy/version_served"] = float(max(result["policy_versions_served"]))
+    return out
+
+
+_REPORT_KEYS = ("mean_reward", "success_rate", "format_rate", "tool_use_rate", "mean_llm_calls")
+
+
+def report_scalars(report: Mapping) -> dict[int, dict[str, float]]:
+    """An evaluation report's scalars (infra/evaluation.py ``evaluate`` / the main job's
+    held-out reports), keyed by policy version (base = 0): x = the version evaluated. Per
+    policy ``eval/<metric>`` (the point estimate of each interval, and ``eval/episodes``);
+    per paired comparison against the first policy ``eval/paired_<metric>`` (the paired
+    difference, at the other policy's version). A metric that is None is left out."""
+    out: dict[int, dict[str, float]] = {}
+    for spec, rep in report.get("policies", {}).items():
+        row = out.setdefault(int(rep.get("version", 0)), {})
+        row["eval/episodes"] = float(rep["episodes"])
+        for k in _REPORT_KEYS:
+            if isinstance(rep.get(k), Mapping):
+                row[f"eval/{k}"] = float(rep[k]["estimate"])
+    versions = {spec: int(rep.get("version", 0)) for spec, rep in report.get("policies", {}).items()}
+    for name, pair in report.get("paired", {}).items():
+        other = name.split(" - ")[0]
+        for k in ("mean_reward", "success_rate"):
+            if isinstance(pair.get(k), Mapping) and other in versions:
+                out.setdefault(versions[other], {})[f"eval/paired_{k}"] = float(pair[k]["estimate"])
+    return out
+
+
 # ---- trackers (plumbing) ---------------------------------------------------------------
 
 class Tracker(Protocol):
@@ -186,6 +229,22 @@ def make_tracker(kind: str, log_dir: Path, run: str) -> Tracker:
 def tracker_for(settings, run: str, who: str) -> Tracker:
     """``make_tracker`` with the settings' kind, under ``settings.tracker_root / run / who``."""
     return make_tracker(settings.tracker, Path(settings.tracker_root) / run / who, f"{run}/{who}")
+
+
+def log_once(settings, run: str, who: str, scalars_by_step: Mapping[int, Mapping[str, float]]) -> None:
+    """Open the tracker of ``run/who``, log ``{step: scalars}``, close it. A tracker that
+    fails is logged as a warning: tracking never fails the job it watches."""
+    import logging
+
+    try:
+        tracker = tracker_for(settings, run, who)
+        try:
+            for step, scalars in sorted(scalars_by_step.items()):
+                tracker.log(scalars, step)
+        finally:
+            tracker.close()
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger("spanrl.tracking").warning("tracking %s/%s failed: %s", run, who, exc)
 
 
 # ---- Prometheus (the services' /status state at scrape time) ------------------------------

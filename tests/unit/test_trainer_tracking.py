@@ -70,3 +70,49 @@ def test_tensorboard_tracker_writes_scalars_event_accumulator_reads(tmp_path):
     acc.Reload()
     assert sorted(acc.Tags()["scalars"]) == ["reward/mean", "train/loss"]
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, -0.5), (2, 0.75)]
+
+
+def test_iteration_scalars_of_a_main_job_iteration():
+    result = {"iteration": 2, "rollouts": 36, "rollouts_failed": 1, "transitions": 70, "samples": 70,
+              "dead_letters": 2, "mean_reward": 0.25, "format_rate": 0.5, "correct_rate": 0.125, "tool_use_rate": 1.0,
+              "zero_variance_groups": 3, "groups": 6, "policy_versions_served": [1, 2], "wall_s": 80.5,
+              "agents": {"math_agent": {"calls": 70}}}
+    assert tracking.iteration_scalars(result) == {
+        "main_job/mean_reward": 0.25, "main_job/correct_rate": 0.125, "main_job/format_rate": 0.5,
+        "main_job/tool_use_rate": 1.0, "main_job/rollouts": 36.0, "main_job/rollouts_failed": 1.0,
+        "main_job/transitions": 70.0, "main_job/samples": 70.0, "main_job/dead_letters": 2.0, "main_job/wall_s": 80.5,
+        "main_job/zero_variance_group_fraction": 0.5, "policy/version_served": 2.0}
+    assert tracking.iteration_scalars({"iteration": 0, "groups": 0, "policy_versions_served": []}) == {}
+
+
+def iv(x: float) -> dict:
+    return {"estimate": x, "low": x - 0.1, "high": x + 0.1, "n": 10, "level": 0.95, "method": "m"}
+
+
+def test_report_scalars_by_policy_version():
+    report = {"policies": {
+        "base": {"version": 0, "episodes": 200, "mean_reward": iv(0.2), "success_rate": iv(0.1), "format_rate": iv(0.9),
+                 "tool_use_rate": None, "mean_llm_calls": iv(2.0)},
+        "run:7": {"version": 7, "episodes": 200, "mean_reward": iv(0.3), "success_rate": iv(0.25), "format_rate": iv(1.0),
+                  "tool_use_rate": iv(0.5), "mean_llm_calls": iv(2.5)}},
+        "paired": {"run:7 - base": {"mean_reward": iv(0.1), "success_rate": iv(0.15), "tasks": 200}}}
+    assert tracking.report_scalars(report) == {
+        0: {"eval/episodes": 200.0, "eval/mean_reward": 0.2, "eval/success_rate": 0.1, "eval/format_rate": 0.9,
+            "eval/mean_llm_calls": 2.0},
+        7: {"eval/episodes": 200.0, "eval/mean_reward": 0.3, "eval/success_rate": 0.25, "eval/format_rate": 1.0,
+            "eval/tool_use_rate": 0.5, "eval/mean_llm_calls": 2.5, "eval/paired_mean_reward": 0.1,
+            "eval/paired_success_rate": 0.15}}
+
+
+def test_log_once_writes_under_run_and_who_and_never_raises(tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from spanrl.infra.settings import Settings
+
+    s = Settings(tracker="tensorboard", tracker_dir=tmp_path)
+    tracking.log_once(s, "demo-1", "eval/heldout-greedy", {7: {"eval/mean_reward": 0.3}, 0: {"eval/mean_reward": 0.2}})
+    acc = EventAccumulator(str(tmp_path / "demo-1" / "eval" / "heldout-greedy"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/mean_reward")] == [(0, 0.2), (7, 0.3)]
+    tracking.log_once(Settings(tracker="neptune", tracker_dir=tmp_path), "r", "x", {0: {"a": 1.0}})
+    assert "tracking r/x failed" in caplog.text
