@@ -326,16 +326,22 @@ def evaluate(cfg: EvalConfig, settings: Settings | None = None, tasks: list[dict
     report["paired"] = pair_against_first(report["policies"])
     report["wall_s"] = round(time.monotonic() - t_all, 1)
     if write:
-        write_report(report, Path(cfg.out_dir), cfg.name)
+        write_report(report, Path(cfg.out_dir), cfg.name, s)
     return report
 
 
-def write_report(report: dict, out: Path, name: str) -> None:
-    """``out/name.json`` and ``out/name.png``; sets ``report["paths"]``."""
+def write_report(report: dict, out: Path, name: str, settings: Settings | None = None) -> None:
+    """``out/name.json`` and ``out/name.png``; sets ``report["paths"]``. The report's scalars
+    also go to the tracker (``SPANRL_TRACKER``) of the stack's run, ``RUN/eval/<name>``, x =
+    the policy version evaluated (trainer/tracking.py ``report_scalars``)."""
+    from spanrl.trainer import tracking
+
     out.mkdir(parents=True, exist_ok=True)
     report["paths"] = {"json": str(out / f"{name}.json"), "png": str(out / f"{name}.png")}
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot_report(report, out / f"{name}.png")
+    s = settings or get_settings()
+    tracking.log_once(s, s.run, f"eval/{name}", tracking.report_scalars(report))
 
 
 def merge_reports(first: dict, second: dict) -> dict:

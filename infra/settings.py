@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     bridge_max_inflight_bytes: int = 64 << 20
     #: seconds a producer waits for Kafka's acks before answering 503 ``kafka_unavailable``
     kafka_send_timeout_s: float = 15.0
+    #: experiment tracking of the trainer, the main job and ``spanrl eval``: tensorboard |
+    #: mlflow | wandb (offline) | none (trainer/tracking.py)
+    tracker: str = "tensorboard"
+    #: where tracking logs go (``RUN/trainer``, ``RUN/main_job``, ``eval/NAME`` below it);
+    #: default ``state_dir/tensorboard`` (``tensorboard --logdir .spanrl/tensorboard``)
+    tracker_dir: Path | None = None
 
     @model_validator(mode="after")
     def _read_auth_token(self) -> "Settings":
@@ -105,6 +111,10 @@ class Settings(BaseSettings):
     @property
     def proxy_url(self) -> str:
         return f"http://{self.host}:{self.proxy_port}"
+
+    @property
+    def tracker_root(self) -> Path:
+        return self.tracker_dir or (self.state_dir / "tensorboard")
 
     @property
     def model_dir(self) -> Path:

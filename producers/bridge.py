@@ -20,6 +20,7 @@ import argparse
 import logging
 import math
 import os
+import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from typing import Literal
@@ -34,6 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from pydantic import BaseModel, Field, SecretStr
 
 from spanrl.producers import claims, edge, production
+from spanrl.producers import metrics as prom
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.otlp import Converted, OtlpError, convert_request, decode_request
 from spanrl.schemas import codec
@@ -44,6 +46,15 @@ DEFAULT_MAX_BODY = int(os.environ.get("SPANRL_BRIDGE_MAX_BODY_BYTES", 8 << 20))
 RETRY_AFTER_S = "5"
 BUFFER_RETRY_AFTER_S = "1"  # the buffer drains as fast as Kafka acks, usually in milliseconds
 DEFAULT_MAX_INFLIGHT = 64 << 20
+#: the bridge's plain counters (its JSON ``/status``) as Prometheus counters; every other key
+#: is a status, dead-letter or refusal reason (prom.count_families)
+PLAIN_COUNTERS = {
+    "requests": "OTLP export requests received",
+    "spans": "spans Kafka acknowledged (training and evaluation topics)",
+    "orphan_spans": "spans without a rollout id sent to orphan-spans",
+    "rewards": "rewards Kafka acknowledged (from spans and POST /v1/rewards)",
+    "claims": "span records moved to the claim store (over the topic's size limit)",
+}
 
 
 class InflightBuffer:
@@ -132,6 +143,12 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
 
     app = FastAPI(title="spanrl OTLP bridge", lifespan=lifespan)
     app.state.metrics = metrics
+    registry = prom.registry(lambda: [
+        *prom.count_families("bridge", metrics, PLAIN_COUNTERS),
+        prom.gauge("spanrl_bridge_inflight_bytes", "encoded bytes waiting for Kafka's acks", inflight.used),
+        prom.gauge("spanrl_bridge_max_inflight_bytes", "bound of inflight_bytes", inflight.max_bytes)])
+    ack_s = prom.latency_histogram(registry, "spanrl_bridge_kafka_ack_seconds",
+                                   "time until Kafka acknowledged a request's records")
 
     def error(status: int, reason: str, detail: str, headers: dict | None = None) -> Response:
         """A JSON error ``{"error": reason, "detail": ...}``; counts ``http_<status>`` and ``reason``."""
@@ -150,7 +167,9 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             return error(503, "buffer_full", f"{inflight.used} of {inflight.max_bytes} bytes wait for Kafka; "
                          f"this request needs {size}", {"Retry-After": BUFFER_RETRY_AFTER_S})
         try:
+            t0 = time.perf_counter()
             await sink.produce_raw(items)
+            ack_s.observe(time.perf_counter() - t0)
         except KafkaUnavailable as exc:
             return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
         finally:
@@ -263,9 +282,15 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
     async def health() -> dict:
         return {"status": "ok", "kafka_producer_started": sink.started}
 
-    @app.get("/metrics")
-    async def get_metrics() -> dict:
+    @app.get("/status")
+    async def status() -> dict:
+        """The counters as JSON (``http_<status>``, reasons, ``dead_letter.<reason>``, ...)."""
         return {**metrics, "inflight_bytes": inflight.used, "max_inflight_bytes": inflight.max_bytes}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        """The same counters and the Kafka ack histogram in the Prometheus text format."""
+        return Response(prom.exposition(registry), media_type=prom.CONTENT_TYPE)
 
     return app
 

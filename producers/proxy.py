@@ -59,6 +59,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
 from spanrl.producers import claims, edge, messages, production, responses, streaming
+from spanrl.producers import metrics as prom
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
@@ -68,6 +69,19 @@ log = logging.getLogger("spanrl.proxy")
 #: client APIs served from vLLM's chat completions (the span's ``spanrl.api``)
 MESSAGES = "anthropic.messages"
 RETRY_AFTER_S = "5"
+#: the proxy's plain counters (its JSON ``/status``) as Prometheus counters; every other key
+#: of the count dict is a status, vLLM status, dead-letter or refusal reason (prom.count_families)
+PLAIN_COUNTERS = {
+    "requests": "LLM calls received (every API, training and evaluation routes)",
+    "eval_requests": "calls on the evaluation routes (/eval/...)",
+    "responses_requests": "Responses API calls",
+    "messages_requests": "Anthropic Messages calls",
+    "streams": "streamed calls relayed",
+    "spans": "records (spans and dead letters) Kafka acknowledged",
+    "policy_version_updates": "policy versions posted by the reloader",
+    "policy_unsynced_posts": "policy_unsynced notices posted by the reloader",
+    "dead_letter_unwritten": "dead letters of interrupted streams Kafka did not take",
+}
 
 
 class MissingTokenIds(ValueError):
@@ -411,6 +425,15 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
 
     app = FastAPI(title="spanrl LLM proxy", lifespan=lifespan)
     app.state.metrics = metrics
+    registry = prom.registry(lambda: [
+        *prom.count_families("proxy", metrics, PLAIN_COUNTERS),
+        prom.gauge("spanrl_proxy_policy_version", "policy version the proxy stamps on calls", policy.version),
+        prom.gauge("spanrl_proxy_policy_synced", "1 when the served policy version is known", policy.synced)])
+    upstream_s = prom.latency_histogram(registry, "spanrl_proxy_upstream_seconds",
+                                        "vLLM's time per call: request sent to answer (streamed: to its last event)",
+                                        ("endpoint", "stream"))
+    ack_s = prom.latency_histogram(registry, "spanrl_proxy_kafka_ack_seconds",
+                                   "time until Kafka acknowledged a call's records")
 
     def error(status: int, reason: str, detail: str, headers: dict | None = None, param: str | None = None) -> Response:
         """OpenAI error shape (so the SDK shows the message; ``param``: the request field to
@@ -456,8 +479,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return error(exc.status, exc.reason, exc.detail, param=getattr(exc, "param", None))
         if body.get("model") != model_name:
             return error(404, "model_not_found", f"model {body.get('model')!r} is not served; use {model_name!r}")
-        if not policy.synced:
-            metrics["policy_unsynced"] += 1
+        if not policy.synced:  # error() counts the reason
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
         ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
@@ -471,7 +493,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if streamed:
             return await stream(ctx, path)
         try:
+            t0 = time.perf_counter()
             upstream = await app.state.client.post(path, json=upstream_body(endpoint, body))
+            upstream_s.labels(endpoint, "false").observe(time.perf_counter() - t0)
         except httpx.TransportError as exc:
             return vllm_unavailable(exc)
         if upstream.status_code != 200:
@@ -538,7 +562,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             except claims.ClaimStoreUnavailable as exc:
                 raise RecordFailed(503, "claim_store_unavailable", str(exc)) from exc
         try:
+            t0 = time.perf_counter()
             await sink.produce_raw(items)
+            ack_s.observe(time.perf_counter() - t0)
         except KafkaUnavailable as exc:
             raise RecordFailed(503, "kafka_unavailable", str(exc)) from exc
         metrics["spans"] += len(items)
@@ -553,6 +579,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         and ``fail_event``; ``ctx.body`` is then the body sent to vLLM."""
         client: httpx.AsyncClient = app.state.client
         body = streaming.upstream_stream_body(upstream_body(ctx.endpoint, ctx.body))
+        t0 = time.perf_counter()
         try:
             upstream = await client.send(client.build_request("POST", path, json=body), stream=True)
         except httpx.TransportError as exc:
@@ -571,6 +598,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return b"" if out is None else streaming.sse_event(out)
 
         async def recorded(response: dict) -> bytes:
+            upstream_s.labels(ctx.endpoint, "true").observe(time.perf_counter() - t0)  # after vLLM's [DONE]
             try:
                 await record(ctx, response)
             except RecordFailed as exc:  # the stream ends with its error event, no [DONE]
@@ -713,9 +741,15 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         return {"status": "ok", "vllm": vllm_ok, "kafka_producer_started": sink.started,
                 "policy_version": policy.version, "policy_synced": policy.synced}
 
-    @app.get("/metrics")
-    async def get_metrics() -> dict:
+    @app.get("/status")
+    async def status() -> dict:
+        """The counters as JSON (``http_<status>``, reasons, ``dead_letter.<reason>``, ...)."""
         return {**metrics, "policy_version": policy.version, "policy_synced": int(policy.synced)}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        """The same counters and the latency histograms in the Prometheus text format."""
+        return Response(prom.exposition(registry), media_type=prom.CONTENT_TYPE)
 
     return app
 

@@ -26,9 +26,11 @@ from faust.serializers import codecs as faust_codecs
 from faust.streams import current_event
 
 from spanrl.producers import claims
+from spanrl.producers import metrics as prom
 from spanrl.schemas import codec, topics
 from spanrl.stream_jobs import assembly, grouping, joining
 from spanrl.stream_jobs import dead_letters as dl
+from spanrl.stream_jobs import metrics as worker_metrics
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.ticking import TickIndex
 from spanrl.stream_jobs.credit import parse_credit_rule
@@ -264,6 +266,13 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     dead_reasons: Counter = Counter()
     agent_counts: Counter = Counter()  # (agent, trained | excluded) -> calls
     emitted_by: Counter = Counter()  # emitted attempts by the rule that let them out
+    # /metrics: the counters above at scrape time, and reward consumed -> transition sent
+    registry = prom.registry(lambda: worker_metrics.worker_families(counters, dead_reasons, agent_counts))
+    reward_to_transition = prom.latency_histogram(
+        registry, "spanrl_worker_reward_to_transition_seconds",
+        "per attempt: its final reward consumed -> its first transition sent (queued in the transaction)")
+    reward_clock = worker_metrics.RewardToTransition()
+    app.sensors.add(_RewardSensor(cfg.rewards_topic, reward_clock))
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     # Timeouts: a timer cannot write tables or produce inside a transaction (no event),
@@ -338,6 +347,9 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 continue
             await transitions_out.send(key=t["task_id"].encode(), value=value)
             counters["transitions_out"] += 1
+            waited = reward_clock.transition_sent(t["rollout_id"], t["attempt_id"], time.monotonic())
+            if waited is not None:
+                reward_to_transition.observe(waited)
 
     async def send_samples(records: list[dict]) -> None:
         limit = topics.SAMPLES.max_message_bytes
@@ -624,6 +636,11 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             "inputs_bounds_read": counters["inputs_bounds_read"], "emitted_by": dict(emitted_by),
         })
 
+    @app.page("/metrics")
+    async def metrics_view(web, request):
+        """The counters above and the reward -> transition histogram, Prometheus text format."""
+        return web.bytes(prom.exposition(registry), headers={"Content-Type": prom.CONTENT_TYPE})
+
     @app.page("/spanrl/health/")
     async def health_view(web, request):
         """200 once the worker processes records: partitions assigned, not rebalancing,
@@ -637,6 +654,25 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     app.spanrl_config = cfg  # for introspection in tests
     return app
+
+
+class _RewardSensor(faust.Sensor):
+    """Notes when each final reward of ``rewards_topic`` enters a stream (for the reward ->
+    transition histogram); reads the record only, never changes what the agents do."""
+
+    def __init__(self, rewards_topic: str, clock: worker_metrics.RewardToTransition):
+        super().__init__()
+        self.rewards_topic, self.clock = rewards_topic, clock
+
+    def on_stream_event_in(self, tp, offset, stream, event):
+        if tp.topic == self.rewards_topic:
+            try:
+                reward = codec.decode("reward", event.message.value)
+                if reward.get("final", True):
+                    self.clock.reward_consumed(reward["rollout_id"], reward["attempt_id"], time.monotonic())
+            except Exception:  # noqa: BLE001 - a bad record is the agent's to dead-letter; never break the stream
+                pass
+        return None
 
 
 async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle,

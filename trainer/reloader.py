@@ -57,7 +57,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spanrl.infra.settings import get_settings
 from spanrl.schemas import topics
-from spanrl.trainer import checkpoint
+from spanrl.trainer import checkpoint, tracking
 from spanrl.trainer.train import _partitions, read_announcements, start_http
 
 log = logging.getLogger("spanrl.reloader")
@@ -488,7 +488,8 @@ class Reloader:
 
         http = await start_http(self.settings.host, self.settings.reloader_port, self.status,
                                 {"/policy": self.policy},
-                                {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin}) \
+                                {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin},
+                                metrics_fn=lambda: tracking.reloader_families(self.status(), self.history, self.handled)) \
             if self.cfg.http else None
         consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
                                     isolation_level="read_committed", enable_auto_commit=False, group_id=None)

@@ -42,7 +42,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spanrl.infra.settings import get_settings
 from spanrl.schemas import topics
-from spanrl.trainer import batching, checkpoint, losses
+from spanrl.trainer import batching, checkpoint, losses, tracking
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -240,11 +240,15 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         engine.step()
         if epoch == 0:
             stats = epoch_stats  # metrics of the first epoch: ratio vs. the behaviour policy
+            stats["grad_norm"] = _grad_norm(engine)
     engine.set_gradient_accumulation_boundary(None)
     dt = time.perf_counter() - t0
     total_tokens = sum(b.num_tokens for b in chunks)
+    mean_adv = sum(advantages) / len(advantages)
     return {
         **stats,
+        "lr": _learning_rate(engine),
+        "advantage_std": (sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)) ** 0.5,
         "mean_return": sum(s["transition"]["episode_return"] for s in samples) / len(samples),
         "mean_reward": sum(s["transition"]["reward"] for s in samples) / len(samples),
         "mean_advantage": sum(advantages) / len(advantages),
@@ -259,6 +263,22 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         "update_s": dt,
         "tokens_per_s": total_tokens * ppo_epochs / dt,
     }
+
+
+def _grad_norm(engine) -> float | None:
+    """The global gradient norm DeepSpeed computed for its last step (before clipping), or None."""
+    try:
+        norm = engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+    except Exception:  # noqa: BLE001 - an optional metric
+        return None
+
+
+def _learning_rate(engine) -> float | None:
+    try:
+        return float(engine.get_lr()[0])
+    except Exception:  # noqa: BLE001 - an optional metric
+        return None
 
 
 # ---- checkpoints ----------------------------------------------------------------------
@@ -361,6 +381,7 @@ class Trainer:
         # trained_offsets of the parent checkpoint (or the run's start): where the next
         # checkpoint's consumed_offsets ranges begin
         self._consumed_from: dict[str, int] = {}
+        self.tracker: tracking.Tracker = tracking.NullTracker()  # set in _serve (SPANRL_TRACKER)
 
     def emit(self, record: dict) -> None:
         line = json.dumps(record, sort_keys=True)
@@ -554,12 +575,16 @@ class Trainer:
     async def serve(self) -> None:
         """Run until ``max_updates`` or :meth:`stop` (a stop during a retry ends it too)."""
         torch.manual_seed(self.cfg.seed)
-        http = await start_http(self.settings.host, self.settings.trainer_port, self.status) if self.cfg.http else None
+        http = await start_http(self.settings.host, self.settings.trainer_port, self.status,
+                                metrics_fn=lambda: tracking.trainer_families(self.status())) \
+            if self.cfg.http else None
+        self.tracker = tracking.tracker_for(self.settings, self.run, "trainer")
         try:
             await self._serve()
         except checkpoint.Stopped as exc:
             log.warning("stopped: %s", exc)
         finally:
+            self.tracker.close()
             if http is not None:
                 await http.cleanup()
 
@@ -627,9 +652,14 @@ class Trainer:
         for p, off, _ in head:
             key = f"{self.cfg.samples_topic}:{p}"
             self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
+        trained_version = self.state.version
         self.state.step += self.cfg.ppo_epochs
         self.state.updates += 1
         self.state.last_metrics = metrics
+        try:  # x axis: the optimizer step (continues across restarts: it is in the manifest)
+            self.tracker.log(tracking.update_scalars(metrics, samples, trained_version), self.state.step)
+        except Exception as exc:  # noqa: BLE001 - tracking never stops training
+            log.warning("tracker failed to log update %d: %s", self.state.updates, exc)
         self.emit({"event": "update", "run": self.run, "update": self.state.updates, "step": self.state.step,
                    "version": self.state.version, **{k: round(v, 6) if isinstance(v, float) else v
                                                      for k, v in metrics.items()},
@@ -650,8 +680,10 @@ class Trainer:
 # ---- HTTP /health and /status ---------------------------------------------------------
 
 async def start_http(host: str, port: int, status_fn, routes: dict | None = None,
-                     post_routes: dict | None = None):
+                     post_routes: dict | None = None, metrics_fn=None):
     """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn(),
+    GET /metrics -> the Prometheus families ``metrics_fn()`` returns, in the text format
+    (spanrl.producers.metrics),
     GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route, and
     POST PATH -> ``await post_routes[PATH](body)`` -> ``(http status, JSON-able dict)`` with
     the request's JSON object as ``body`` (a body that is not a JSON object: 400 invalid_json)."""
@@ -681,9 +713,17 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
             return web.json_response(answer, status=code)
         return h
 
+    async def metrics(_):
+        from spanrl.producers import metrics as prom
+
+        body = prom.exposition(prom.registry(metrics_fn))
+        return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
+    if metrics_fn is not None:
+        app.router.add_get("/metrics", metrics)
     for path, fn in (routes or {}).items():
         app.router.add_get(path, handler(fn))
     for path, fn in (post_routes or {}).items():

@@ -39,6 +39,7 @@ from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
 from spanrl.infra.settings import Settings, get_settings
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
+from spanrl.trainer import tracking
 
 
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
@@ -372,6 +373,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         for it in range(cfg.iterations):
             res = asyncio.run(_run_iteration(it, cfg, s, pool, progress, bar))
             results.append(res)
+            tracking.log_once(s, s.run, "main_job", {it: tracking.iteration_scalars(asdict(res))})
             progress.console.print(
                 f"iter {it}: rollouts={res.rollouts} transitions={res.transitions} samples={res.samples} "
                 f"dead={res.dead_letters} reward={res.mean_reward:.3f} correct={res.correct_rate:.2f} "
@@ -408,7 +410,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     for mode in modes:
         heldout[mode] = base_reports[mode] if final_spec == "base" else \
             merge_reports(base_reports[mode], _heldout_eval(cfg, s, final_spec, mode, console))
-        write_report(heldout[mode], out, f"heldout-{mode}")
+        write_report(heldout[mode], out, f"heldout-{mode}", s)
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
         for name, c in r.agents.items():

@@ -111,7 +111,7 @@ def test_otel_spans_and_reward_reach_kafka(kafka_stack):
     orphans = read_topic(topics.orphan_spans, lambda rs: any(k == trace_id for k, _ in rs), 5)
     [(_, o)] = [(k, r) for k, r in orphans if k == trace_id]
     assert (o["name"], o["rollout_id"], o["attempt_id"], o["trace_id"]) == ("orphan", "", "", trace_id)
-    metrics = httpx.get(kafka_stack["bridge"] + "/metrics").json()
+    metrics = httpx.get(kafka_stack["bridge"] + "/status").json()
     assert metrics["spans"] >= 2 and metrics["orphan_spans"] >= 1
 
 
@@ -128,7 +128,7 @@ def test_bridge_rejects_bad_input(kafka_stack):
     bridge, topics = kafka_stack["bridge"], kafka_stack["topics"]
     url = bridge + "/v1/traces"
     pb = {"content-type": "application/x-protobuf"}
-    before = httpx.get(bridge + "/metrics").json()
+    before = httpx.get(bridge + "/status").json()
     assert httpx.post(url, content=b"{}", headers={"content-type": "application/json"}).status_code == 415
     assert httpx.post(url, content=b"", headers=pb).status_code == 400
     assert httpx.post(url, content=b"\xff\x01garbage", headers=pb).status_code == 400
@@ -162,7 +162,7 @@ def test_bridge_rejects_bad_input(kafka_stack):
                                   "name": "judge"}).status_code == 200
     rewards = read_topic(topics.rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
     assert [(r["value"], r["name"]) for r in of_rollout(rewards, rid)] == [(0.25, "judge")]
-    after = httpx.get(bridge + "/metrics").json()
+    after = httpx.get(bridge + "/status").json()
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "unsupported_media_type", "invalid_otlp", "body_too_large", "dead_letter.invalid_reward",
         "invalid_reward", "invalid_request", "rewards")}
@@ -204,11 +204,11 @@ def test_bridge_bounds_records_waiting_for_acks(tmp_path):
                 async with httpx.AsyncClient(timeout=30) as client:
                     calls = [asyncio.create_task(one(client)) for _ in range(6)]
                     await asyncio.sleep(timeout_s / 2)
-                    waiting = (await client.get(url + "/metrics")).json()
+                    waiting = (await client.get(url + "/status")).json()
                     return await asyncio.gather(*calls), waiting
 
             answers, waiting = asyncio.run(go())
-            metrics = httpx.get(url + "/metrics").json()
+            metrics = httpx.get(url + "/status").json()
         finally:
             stop(proc)
     full = [a for a in answers if a[1] == "buffer_full"]
@@ -261,7 +261,7 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
         assert sorted(s["name"] for s in of_rollout(spans, rid)) == ["spanrl.reward", "tool.auth-True"]
         rewards = read_topic(topics.rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
         assert [r["value"] for r in of_rollout(rewards, rid)] == [0.5]
-        bm = httpx.get(bridge_url + "/metrics", headers=good).json()
+        bm = httpx.get(bridge_url + "/status", headers=good).json()
         assert (bm["spans"], bm["http_401"], bm["missing_token"], bm["invalid_token"]) == (2, 5, 2, 3)
 
         # proxy: the OpenAI SDK sends api_key as the bearer token
@@ -274,7 +274,7 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
         assert past_auth.value.status_code == 503 and "vllm_unavailable" in str(past_auth.value.body)
         assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}).status_code == 401
         assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}, headers=good).json()["version"] == 3
-        pm = httpx.get(proxy_url + "/metrics", headers=good).json()
+        pm = httpx.get(proxy_url + "/status", headers=good).json()
         assert (pm["http_401"], pm["vllm_unavailable"], pm["policy_version"]) == (4, 1, 3)
     finally:
         for p in (bridge, proxy):
@@ -366,7 +366,7 @@ def test_proxy_rejects_bad_input(kafka_stack):
     proxy = kafka_stack["proxy"]
     base = f"{proxy}/rollouts/r/attempts/0/v1/chat/completions"
     msg = [{"role": "user", "content": "x"}]
-    before = httpx.get(proxy + "/metrics").json()
+    before = httpx.get(proxy + "/status").json()
     cases = [
         ({"model": S.model_name, "messages": msg, "n": 0}, 400, "invalid_request"),
         ({"model": S.model_name, "messages": msg, "n": 2, "temperature": 0}, 400, "n_requires_sampling"),
@@ -388,7 +388,7 @@ def test_proxy_rejects_bad_input(kafka_stack):
     for raw, headers, status, reason in raw_cases:
         r = httpx.post(base, content=raw, headers=headers)
         assert (r.status_code, r.json()["error"]["type"]) == (status, reason), raw
-    after = httpx.get(proxy + "/metrics").json()
+    after = httpx.get(proxy + "/status").json()
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in (
         "requests", "http_400", "http_404", "http_415", "invalid_json", "unsupported_media_type", "spans")}
     assert grew == {"requests": 9, "http_400": 6, "http_404": 1, "http_415": 2, "invalid_json": 4,

@@ -260,7 +260,7 @@ def test_client_that_goes_away_is_one_dead_letter(proxy):
     assert partial["token_ids"][:len(sent)] == sent and len(partial["token_ids"]) < 400
     assert partial["finish_reason"] is None
     assert of_rollout(read_topic(proxy["topics"].spans, lambda rs: False, 2), rid) == []
-    m = httpx.get(proxy["url"] + "/metrics").json()
+    m = httpx.get(proxy["url"] + "/status").json()
     assert m["dead_letter.client_disconnected"] >= 1
 
 
@@ -299,7 +299,7 @@ def test_stream_without_kafka_never_says_done(proxy):
         raw = httpx.post(f"{url}/rollouts/r/attempts/0/v1/chat/completions", timeout=30, json={
             "model": S.model_name, "messages": SAY_HI, "max_tokens": 2, "stream": True}).text
         assert "[DONE]" not in raw and '"type":"kafka_unavailable"' in raw
-        assert httpx.get(url + "/metrics").json()["kafka_unavailable"] == 4
+        assert httpx.get(url + "/status").json()["kafka_unavailable"] == 4
     finally:
         stop(proc)
 

@@ -397,7 +397,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
                        headers={"content-type": "application/x-protobuf"})
         assert r.status_code == 200, r.text
         assert not ExportTraceServiceResponse.FromString(r.content).HasField("partial_success")
-        assert httpx.get(bridge_url + "/metrics").json()["claims"] == 1
+        assert httpx.get(bridge_url + "/status").json()["claims"] == 1
         asyncio.run(_produce([
             _lifecycle(names, "rbig", "started"), _lifecycle(names, "rbig", "succeeded"),
             _reward(names, "rbig", 1.0),
@@ -417,7 +417,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
         down = httpx.post(bridge_url + "/v1/traces", content=body, timeout=60,
                           headers={"content-type": "application/x-protobuf"})
         assert (down.status_code, down.json()["error"]) == (503, "claim_store_unavailable")
-        assert down.headers["retry-after"] and httpx.get(bridge_url + "/metrics").json().get("spans", 0) == 0
+        assert down.headers["retry-after"] and httpx.get(bridge_url + "/status").json().get("spans", 0) == 0
     finally:
         stop_process_group(bridge, grace_s=10)
         _stop_and_delete([worker], names, app_id)

@@ -270,7 +270,8 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
            "SPANRL_TRAINER_BASE_DIR": str(tiny_model_dir), "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
            "SPANRL_TRAINER_CHECKPOINTS_TOPIC": ckpt_topic, "SPANRL_TRAINER_START": "latest",
            "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_LOG_PATH": str(jsonl),
-           "SPANRL_TRAINER_MICRO_BATCH": "4", "SPANRL_TRAINER_LR": "0.001"}
+           "SPANRL_TRAINER_MICRO_BATCH": "4", "SPANRL_TRAINER_LR": "0.001",
+           "SPANRL_TRACKER": "tensorboard", "SPANRL_TRACKER_DIR": str(tmp_path / "tb")}
     procs = []
 
     def start(**extra) -> subprocess.Popen:
@@ -307,6 +308,17 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
         assert len(_events(jsonl, "start_marker")) == 1  # the marker is written once
         [upd] = _events(jsonl, "update")
         assert (upd["samples"], upd["consumed"]) == (6, {key: [3, 9]})
+        # experiment tracking (TensorBoard): the update's scalars, read back as tensorboard reads them
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(tmp_path / "tb" / run / "trainer"))
+        acc.Reload()
+        assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(upd["step"], pytest.approx(upd["loss"], abs=1e-5))]
+        assert [e.value for e in acc.Scalars("reward/mean")] == [pytest.approx(upd["mean_reward"], abs=1e-5)]
+        assert [e.value for e in acc.Scalars("policy/version_lag_max")] == [0.0]  # samples of version 0, trained at 0
+        assert {"train/approx_kl", "train/clip_fraction", "train/grad_norm", "train/lr", "reward/std",
+                "train/advantage_std", "train/zero_variance_group_fraction", "train/tokens_per_s",
+                "policy/version"} <= set(acc.Tags()["scalars"])
         manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio,
                                            checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1), tmp_path / "v1")
         assert (manifest["trained_offsets"], manifest["consumed_offsets"]) == ({key: 9}, {key: [3, 9]})

@@ -53,13 +53,13 @@ def _apps(token):
 ROUTES = {
     "bridge": [("POST", "/v1/traces", {"content": b"", "headers": {"content-type": "application/x-protobuf"}}),
                ("POST", "/v1/rewards", {"json": {"rollout_id": "r", "value": 1.0}}),
-               ("GET", "/metrics", {}), ("GET", "/docs", {}), ("GET", "/openapi.json", {})],
+               ("GET", "/metrics", {}), ("GET", "/status", {}), ("GET", "/docs", {}), ("GET", "/openapi.json", {})],
     "proxy": [("POST", "/rollouts/r/attempts/0/v1/chat/completions", {"json": {"model": "policy", "messages": []}}),
               ("POST", "/rollouts/r/attempts/0/v1/completions", {"json": {"model": "policy", "prompt": "x"}}),
               ("GET", "/rollouts/r/attempts/0/v1/models", {}),
               ("GET", "/admin/policy_version", {}),
               ("POST", "/admin/policy_version", {"json": {"version": 3}}),
-              ("GET", "/metrics", {}), ("GET", "/docs", {})],
+              ("GET", "/metrics", {}), ("GET", "/status", {}), ("GET", "/docs", {})],
 }
 
 
@@ -82,7 +82,7 @@ def test_every_route_but_health_needs_the_token(service, caplog):
                                                                    "Authorization": f"Bearer {TOKEN}"}})
             assert ok.status_code != 401, (method, path)
             seen.append(ok)
-        metrics = client.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        metrics = client.get("/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     n = len(ROUTES[service])
     assert (metrics["http_401"], metrics[MISSING_TOKEN], metrics[INVALID_TOKEN]) == (3 * n, 2 * n, n)
     for r in seen:  # never echoed

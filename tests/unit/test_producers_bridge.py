@@ -80,7 +80,7 @@ def test_bad_input_answers_and_counters(client):
         r = client.post(path, **kw)
         assert r.status_code == status, (kw, r.text)
         assert r.json()["error"] == reason
-    m = client.get("/metrics").json()
+    m = client.get("/status").json()
     assert {k: m[k] for k in ("http_400", "http_415", "http_422", "invalid_otlp", "unsupported_media_type",
                               "unsupported_encoding", "invalid_reward", "invalid_request", "invalid_json")} == {
         "http_400": 7, "http_415": 2, "http_422": 4, "invalid_otlp": 3, "unsupported_media_type": 1,
@@ -118,7 +118,7 @@ def test_spans_without_rollout_id_go_to_orphan_spans_keyed_by_trace_id():
     sink = RecordingSink(Topics.with_prefix("t-"))
     with TestClient(create_app(sink, claim_client=object(), payload_bucket="b")) as c:
         r = c.post("/v1/traces", content=req.SerializeToString(), headers=PB)
-        metrics = c.get("/metrics").json()
+        metrics = c.get("/status").json()
     assert r.status_code == 200
     answer = ExportTraceServiceResponse.FromString(r.content).partial_success
     assert (answer.rejected_spans, answer.error_message) == (1, "dead-lettered: no_rollout_id=1")
@@ -143,7 +143,7 @@ def test_rollout_end_is_a_terminal_lifecycle_event_on_rollouts():
         bad = [c.post("/v1/rollouts/chat-3/end", json={"status": "started"}),
                c.post("/v1/rollouts/chat-3/end", json={"group_size": -1}),
                c.post("/v1/rollouts/-x/end")]
-        metrics = c.get("/metrics").json()
+        metrics = c.get("/status").json()
     assert (plain.status_code, plain.json()) == (200, {"status": "ok", "rollout_id": "chat-1"})
     assert failed.status_code == 200
     assert [(r.status_code, r.json()["error"]) for r in bad] == [

@@ -182,7 +182,7 @@ def test_proxy_bad_input_is_counted():
             r = client.post(url, content=raw, headers={"content-type": ctype})
             assert r.status_code in (400, 415) and r.json()["error"]["code"] == r.status_code
         assert client.post("/admin/policy_version", json={"version": "x"}).status_code == 422
-        m = client.get("/metrics").json()
+        m = client.get("/status").json()
     assert {k: m.get(k) for k in ("requests", "http_400", "http_415", "http_422", "invalid_json",
                                   "unsupported_media_type", "invalid_request", "spans")} == {
         "requests": 4, "http_400": 3, "http_415": 1, "http_422": 1, "invalid_json": 3,
@@ -207,7 +207,7 @@ def test_proxy_messages_route_refuses_before_vllm():
             ]:
                 r = client.post(url, json=body)
                 assert (r.status_code, r.json()["error"]["type"]) == (status, reason)
-        m = client.get("/metrics").json()
+        m = client.get("/status").json()
     assert (m["messages_requests"], m["eval_requests"], m["http_400"], m["http_404"]) == (6, 3, 4, 2)
 
 
@@ -226,7 +226,7 @@ def test_production_routes_take_the_rollout_from_headers():
         bad = client.post("/v1/chat/completions", json=body, headers={"x-spanrl-group-size": "0"})
         named = client.post("/v1/chat/completions", json=body, headers={"x-spanrl-rollout-id": "chat-9"})
         minted = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
-        m = client.get("/metrics").json()
+        m = client.get("/status").json()
     assert (bad.status_code, bad.json()["error"]["type"], bad.json()["error"]["param"]) == (
         400, "invalid_rollout_header", "x-spanrl-group-size")
     assert (named.status_code, named.headers["x-spanrl-rollout-id"]) == (404, "chat-9")  # model_not_found

@@ -232,5 +232,5 @@ def test_proxy_responses_routes_refuse_before_vllm():
                 r = client.post(url, json={"model": "policy", "input": "hi", **change})
                 assert (r.status_code, r.json()["error"]["type"], r.json()["error"].get("param")) == (
                     status, reason, param)
-        m = client.get("/metrics").json()
+        m = client.get("/status").json()
     assert (m["responses_requests"], m["eval_requests"], m["stateful_not_supported"], m["http_404"]) == (8, 4, 2, 2)
