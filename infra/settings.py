@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     faust_web_port: int = 16066
     reloader_port: int = 18090
     trainer_port: int = 18091
+    #: the web dashboard (infra/dashboard): rollouts, traces, training, pipeline
+    dashboard_port: int = 18092
 
     #: served model name at vLLM and in spans
     model_name: str = "policy"
@@ -100,6 +102,10 @@ class Settings(BaseSettings):
     @property
     def proxy_url(self) -> str:
         return f"http://{self.host}:{self.proxy_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.host}:{self.dashboard_port}"
 
     @property
     def model_dir(self) -> Path:
