@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     trainer_port: int = 18091
     #: the web dashboard (infra/dashboard): rollouts, traces, training, pipeline
     dashboard_port: int = 18092
+    #: rollouts the dashboard keeps in memory (the oldest seen is evicted; infra/dashboard/views.py)
+    dashboard_max_rollouts: int = 5000
 
     #: served model name at vLLM and in spans
     model_name: str = "policy"

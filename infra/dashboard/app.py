@@ -117,8 +117,8 @@ class Sources:
     """What pages read on demand besides the tail: the trainer's and reloader's status,
     the stream group's committed offsets, manifests in MinIO, evaluation reports."""
 
-    def __init__(self, s: Settings, prefix: str, stream_group: str, eval_dir: Path):
-        self.s, self.prefix, self.stream_group, self.eval_dir = s, prefix, stream_group, eval_dir
+    def __init__(self, s: Settings, prefix: str, stream_group: str, eval_dirs: list[Path]):
+        self.s, self.prefix, self.stream_group, self.eval_dirs = s, prefix, stream_group, eval_dirs
         self._manifests: dict[str, dict | None] = {}
 
     async def status(self, port: int) -> dict | None:
@@ -183,17 +183,20 @@ class Sources:
         return self._manifests[uri]
 
     def evaluations(self) -> list[dict]:
-        """Held-out evaluation reports (``spanrl eval``'s ``<out>/<name>.json``) in ``eval_dir``:
-        name, policies with their episodes and mean-reward interval."""
+        """Held-out evaluation reports in ``eval_dirs``: ``spanrl eval``'s ``results/eval/NAME.json``
+        and the main job's ``results/heldout-{sampled,greedy}.json`` (infra/evaluation.py
+        ``write_report``; a JSON file without ``policies`` is not one): name, modification time,
+        policies with their episodes and mean-reward interval (``estimate``, ``low``, ``high``)."""
         out = []
-        for path in sorted(self.eval_dir.glob("*.json")) if self.eval_dir.is_dir() else []:
+        paths = [p for d in self.eval_dirs if d.is_dir() for p in sorted(d.glob("*.json"))]
+        for path in paths:
             try:
                 report = json.loads(path.read_text())
                 policies = {k: {"episodes": v.get("episodes"), "mean_reward": v.get("mean_reward")}
                             for k, v in report["policies"].items()}
             except (OSError, ValueError, KeyError, AttributeError):
                 continue
-            out.append({"name": path.stem, "policies": policies})
+            out.append({"name": str(path), "mtime_ms": int(path.stat().st_mtime * 1000), "policies": policies})
         return out
 
 
@@ -208,21 +211,26 @@ def safe_attributes(attrs: dict[str, str]) -> dict[str, str]:
 
 
 def create_app(s: Settings, prefix: str = "", stream_group: str | None = None,
-               eval_dir: Path | None = None, tail: bool = True) -> FastAPI:
+               eval_dirs: list[Path] | None = None, tail: bool = True) -> FastAPI:
     """The dashboard app for settings ``s``, tailing :data:`TAILED` named ``prefix + name``;
     ``tail=False`` for tests that feed ``app.state.tail`` themselves."""
     names = {prefix + t.name: t for t in TAILED}
-    state = Tail()
+    state = Tail(views.Views(max_rollouts=s.dashboard_max_rollouts))
     sources = Sources(s, prefix, stream_group or os.environ.get("SPANRL_STREAM_APP_ID", "spanrl-stream"),
-                      eval_dir or Path(os.environ.get("SPANRL_DASHBOARD_EVAL_DIR", "results/eval")))
+                      eval_dirs or [Path(p) for p in os.environ.get("SPANRL_DASHBOARD_EVAL_DIRS",
+                                                                    "results/eval:results").split(os.pathsep) if p])
     tok: dict = {}
 
     def tokenizer():
+        if "t" not in tok and not (Path(s.model_dir) / "tokenizer_config.json").is_file():
+            log.warning("no tokenizer in %s: LLM calls show as token counts", s.model_dir)
+            tok["t"] = None
         if "t" not in tok:
             try:
                 from transformers import AutoTokenizer
 
-                tok["t"] = AutoTokenizer.from_pretrained(s.model_dir)
+                # the served model's own files, never the Hub (no network at run time)
+                tok["t"] = AutoTokenizer.from_pretrained(s.model_dir, local_files_only=True)
             except Exception as exc:  # noqa: BLE001 - shown as token counts instead
                 log.warning("no tokenizer at %s: %s", s.model_dir, exc)
                 tok["t"] = None
@@ -232,7 +240,10 @@ def create_app(s: Settings, prefix: str = "", stream_group: str | None = None,
     async def lifespan(app):
         stop = asyncio.Event()
         task = asyncio.create_task(tail_topics(state, s.kafka_bootstrap, names, stop)) if tail else None
+        loading = asyncio.create_task(asyncio.to_thread(tokenizer)) if tail else None  # first trace page fast
         yield
+        if loading:
+            await asyncio.gather(loading, return_exceptions=True)
         stop.set()
         if task:
             task.cancel()
@@ -300,7 +311,7 @@ def create_app(s: Settings, prefix: str = "", stream_group: str | None = None,
         for row in rows:
             row["loaded_ms"] = loaded.get(row["version"]) if reloader and row["run"] == reloader["run"] else None
         for row in rows[-20:]:
-            m = await asyncio.to_thread(sources.manifest, f"s3://{s.checkpoint_bucket}/{row['run']}/{row['version']:06d}/")
+            m = await asyncio.to_thread(sources.manifest, row["uri"])
             row["trained_offsets"] = (m or {}).get("trained_offsets")
         svg = await asyncio.to_thread(charts.training_svg, rows) if rows else ""
         return page(request, "training.html", rows=rows, runs=runs, run=run, svg=svg, trainer=trainer,

@@ -2,7 +2,7 @@
 
 The tailer (``infra/dashboard/app.py``) hands every decoded record to :meth:`Views.add`;
 the pages read the summaries below. Bounds: at most ``max_rollouts`` rollouts (default
-2000; the oldest rollout, by first record seen, is evicted with its spans, rewards and
+2000; the service: ``SPANRL_DASHBOARD_MAX_ROLLOUTS``, 5000; the oldest rollout, by first record seen, is evicted with its spans, rewards and
 transitions), ``max_spans_per_rollout`` spans each (default 200), and ``max_events``
 (default 2000) of each of dead letters and checkpoint announcements. A span is kept
 without its log-probs (only token ids, to decode the text on demand).
@@ -146,13 +146,14 @@ def rollout_summary(r: Rollout) -> dict:
     """One row of the rollouts table: task, status of the latest attempt (without lifecycle
     events, e.g. an agent the trainer never launched: ``emitted`` or the dead-letter reason
     of its call account, else ``dead-lettered`` / ``unknown``), attempts, final reward of the
-    latest attempt (None before one), LLM/tool call counts, policy versions, agents,
+    latest attempt (None before one), LLM calls (spans with a recorded call: the proxy's, the
+actions) and tool calls (spans of kind ``tool``), policy versions, agents,
     duration (s, first start to last end; None while running), dead-letter reasons."""
     latest = max(r.attempts, key=lambda a: (r.attempts[a]["started_ms"] or 0, a)) if r.attempts else None
     status = r.attempts[latest]["status"] if latest else (
         r.outcome or ("dead-lettered" if r.dead_letters else "unknown"))
     finals = [w["value"] for w in r.rewards if w["final"] and (latest is None or w["attempt_id"] == latest)]
-    llm = [s for s in r.spans if s["kind"] == "llm" or s.get("llm")]
+    llm = [s for s in r.spans if s.get("llm")]  # the recorded calls (proxy), not a framework's LLM spans
     starts = [a["started_ms"] for a in r.attempts.values() if a["started_ms"] is not None]
     ends = [a["ended_ms"] for a in r.attempts.values() if a["ended_ms"] is not None]
     running = any(a["status"] not in TERMINAL for a in r.attempts.values())
@@ -217,10 +218,11 @@ def training_rows(checkpoints: list[dict], run: str | None = None) -> list[dict]
             continue
         row = out.setdefault((c["run"], c["version"]), {"run": c["run"], "version": c["version"], "step": None,
                                                         "published_ms": None, "served_ms": None,
-                                                        "refused_ms": None, "metrics": {}, "gate": None})
+                                                        "refused_ms": None, "metrics": {}, "gate": None,
+                                                        "uri": c["uri"]})
         event = c.get("event", "published")
         if event == "published":
-            row.update(step=c["step"], published_ms=c["created_ms"], metrics=dict(c["metrics"]))
+            row.update(step=c["step"], published_ms=c["created_ms"], metrics=dict(c["metrics"]), uri=c["uri"])
         elif event in ("served", "refused"):
             row[f"{event}_ms"] = c["created_ms"]
             try:

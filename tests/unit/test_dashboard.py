@@ -144,7 +144,8 @@ def test_training_rows_join_published_and_gate_decision():
     other = {**pub, "run": "q", "version": 1}
     rows = views.training_rows([pub, gate, other], "r")
     assert rows == [{"run": "r", "version": 2, "step": 4, "published_ms": 100, "served_ms": None,
-                     "refused_ms": 200, "metrics": {"loss": 0.5}, "gate": {"accept": False, "reason": "worse"}}]
+                     "refused_ms": 200, "metrics": {"loss": 0.5}, "gate": {"accept": False, "reason": "worse"},
+                     "uri": "u"}]
     assert [(x["run"], x["version"]) for x in views.training_rows([pub, other])] == [("q", 1), ("r", 2)]
 
 
@@ -177,9 +178,16 @@ def test_safe_attributes_hides_credential_like_keys():
 
 
 @pytest.fixture
-def client():
-    s = Settings(auth_token="sekrit", base_model_dir="/nonexistent", trainer_port=1, reloader_port=1, kafka_port=1)
-    app = create_app(s, tail=False)
+def client(tmp_path):
+    report = {"policies": {"base": {"episodes": 4, "mean_reward": {"estimate": 0.25, "low": 0.0, "high": 0.5}}}}
+    (tmp_path / "heldout-greedy.json").write_text(json.dumps(report))
+    (tmp_path / "chaos.json").write_text(json.dumps({"faults": []}))  # not a report: left out
+    s = Settings(auth_token="sekrit", base_model_dir="/nonexistent", trainer_port=1, reloader_port=1, kafka_port=1,
+                 minio_port=1)
+    app = create_app(s, tail=False, eval_dirs=[tmp_path, tmp_path / "missing"])
+    app.state.tail.views.add("checkpoint", {"run": "r", "version": 1, "uri": "s3://b/r/000001/", "step": 1,
+                                            "parent_version": 0, "manifest_sha256": "h", "created_ms": 5,
+                                            "metrics": {"loss": 0.125}, "event": "published", "detail": None})
     for kind, rec in [("rollout", _event("r1", "started", 1_000_000_000_000)), ("span", _span("r1", 0)),
                       ("rollout", _event("r1", "succeeded", 1_000_000_004_000))]:
         app.state.tail.views.add(kind, rec)
@@ -205,3 +213,10 @@ def test_rollout_page_shows_spans_without_a_tokenizer(client):
     page = client.get("/rollouts/r1", headers=h)
     assert page.status_code == 200 and "<svg" in page.text and "&lt;2 tokens&gt;" in page.text
     assert client.get("/rollouts/nope", headers=h).status_code == 404
+
+
+def test_training_page_lists_versions_and_held_out_reports(client):
+    page = client.get("/training?run=r", headers={"Authorization": "Bearer sekrit"})
+    assert page.status_code == 200 and "<svg" in page.text and "0.125" in page.text
+    assert "heldout-greedy.json" in page.text and "0.250 [0.000, 0.500]" in page.text
+    assert "chaos.json" not in page.text and "reloader status unavailable" in page.text
