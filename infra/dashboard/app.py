@@ -183,20 +183,25 @@ class Sources:
         return self._manifests[uri]
 
     def evaluations(self) -> list[dict]:
-        """Held-out evaluation reports in ``eval_dirs``: ``spanrl eval``'s ``results/eval/NAME.json``
-        and the main job's ``results/heldout-{sampled,greedy}.json`` (infra/evaluation.py
-        ``write_report``; a JSON file without ``policies`` is not one): name, modification time,
-        policies with their episodes and mean-reward interval (``estimate``, ``low``, ``high``)."""
+        """Held-out evaluation reports in ``eval_dirs``: ``spanrl eval``'s ``results/eval/NAME.json``,
+        the main job's ``results/heldout-{sampled,greedy}.json`` (infra/evaluation.py
+        ``write_report``) and the reports inside a main job's ``summary.json`` (``heldout``:
+        mode -> report); a JSON file with neither ``policies`` nor ``heldout`` is not one. Each:
+        name, modification time, policies with their episodes and mean-reward interval
+        (``estimate``, ``low``, ``high``)."""
         out = []
-        paths = [p for d in self.eval_dirs if d.is_dir() for p in sorted(d.glob("*.json"))]
-        for path in paths:
+        for path in [p for d in self.eval_dirs if d.is_dir() for p in sorted(d.glob("*.json"))]:
             try:
-                report = json.loads(path.read_text())
-                policies = {k: {"episodes": v.get("episodes"), "mean_reward": v.get("mean_reward")}
-                            for k, v in report["policies"].items()}
-            except (OSError, ValueError, KeyError, AttributeError):
+                doc = json.loads(path.read_text())
+                reports = {str(path): doc} if "policies" in doc else \
+                    {f"{path} ({mode})": rep for mode, rep in (doc.get("heldout") or {}).items()}
+                mtime = int(path.stat().st_mtime * 1000)
+                for name, report in reports.items():
+                    out.append({"name": name, "mtime_ms": mtime, "policies": {
+                        k: {"episodes": v.get("episodes"), "mean_reward": v.get("mean_reward")}
+                        for k, v in report["policies"].items()}})
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
                 continue
-            out.append({"name": str(path), "mtime_ms": int(path.stat().st_mtime * 1000), "policies": policies})
         return out
 
 

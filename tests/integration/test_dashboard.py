@@ -123,8 +123,8 @@ def test_dashboard_shows_the_rollouts_and_a_trace(settings, dashboard, browser):
     completion = browser.find_element(By.CSS_SELECTOR, "pre.completion").text
     prompt = browser.find_element(By.CSS_SELECTOR, "pre.prompt").text
     assert texts[rid].strip() in completion and "Name a colour." in prompt
-    call = browser.find_element(By.CSS_SELECTOR, "tr.span-row.kind-llm").text
-    assert "painter" in call and "yes" in call  # its agent, and it trained
+    cells = browser.find_elements(By.CSS_SELECTOR, "tr.span-row.kind-llm td")
+    assert cells[3].text.split("\n")[0] == "painter" and cells[4].text == "yes"  # its agent; it trained
     _shot(browser, "rollout")
 
     # the advantage arrives with the task's samples (grouping): wait for it on the page

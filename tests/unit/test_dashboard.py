@@ -182,6 +182,7 @@ def client(tmp_path):
     report = {"policies": {"base": {"episodes": 4, "mean_reward": {"estimate": 0.25, "low": 0.0, "high": 0.5}}}}
     (tmp_path / "heldout-greedy.json").write_text(json.dumps(report))
     (tmp_path / "chaos.json").write_text(json.dumps({"faults": []}))  # not a report: left out
+    (tmp_path / "summary.json").write_text(json.dumps({"heldout": {"sampled": report}}))
     s = Settings(auth_token="sekrit", base_model_dir="/nonexistent", trainer_port=1, reloader_port=1, kafka_port=1,
                  minio_port=1)
     app = create_app(s, tail=False, eval_dirs=[tmp_path, tmp_path / "missing"])
@@ -219,4 +220,5 @@ def test_training_page_lists_versions_and_held_out_reports(client):
     page = client.get("/training?run=r", headers={"Authorization": "Bearer sekrit"})
     assert page.status_code == 200 and "<svg" in page.text and "0.125" in page.text
     assert "heldout-greedy.json" in page.text and "0.250 [0.000, 0.500]" in page.text
+    assert "summary.json (sampled)" in page.text
     assert "chaos.json" not in page.text and "reloader status unavailable" in page.text
