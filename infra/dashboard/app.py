@@ -157,10 +157,11 @@ class Sources:
         done = {(tp.topic, tp.partition): meta.offset for tp, meta in committed.items()}
         stream = views.consumer_lag({k: v for k, v in end_map.items() if k[0] != samples}, done)
         trainer = None
-        if trained_offsets is not None:
-            trainer = views.consumer_lag({k: v for k, v in end_map.items() if k[0] == samples},
-                                         {(samples, p): trained_offsets.get(f"{T.SAMPLES.name}:{p}")
-                                          for p in range(T.SAMPLES.partitions)})
+        if trained_offsets is not None:  # a partition it has not trained on yet has no lag to show
+            # (the stack's trainer starts at the samples' end, SPANRL_TRAINER_START=latest)
+            known = {(samples, p): trained_offsets[f"{T.SAMPLES.name}:{p}"] for p in range(T.SAMPLES.partitions)
+                     if f"{T.SAMPLES.name}:{p}" in trained_offsets}
+            trainer = views.consumer_lag({k: v for k, v in end_map.items() if k in known}, known)
         return {"stream": stream, "trainer": trainer, "group": self.stream_group}
 
     def manifest(self, uri: str) -> dict | None:

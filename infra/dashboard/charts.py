@@ -59,7 +59,7 @@ def training_svg(rows: list[dict]) -> str:
         ax.set_xlabel("policy version", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    if runs and len(runs) <= 6:
+    if axes.flat[0].get_legend_handles_labels()[0] and len(runs) <= 6:
         axes.flat[0].legend(fontsize=6)
     fig.tight_layout()
     return _svg(fig)

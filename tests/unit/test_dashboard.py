@@ -222,3 +222,48 @@ def test_training_page_lists_versions_and_held_out_reports(client):
     assert "heldout-greedy.json" in page.text and "0.250 [0.000, 0.500]" in page.text
     assert "summary.json (sampled)" in page.text
     assert "chaos.json" not in page.text and "reloader status unavailable" in page.text
+
+
+@pytest.fixture
+def status_server():
+    """A local HTTP server answering ``/status`` like the trainer (TrainerState) and the
+    reloader would; returns its port."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = json.dumps({"run": "r", "version": 3, "step": 6, "updates": 5, "buffered": 7, "skipped": {},
+                       "trained_offsets": {"samples:0": 40}, "last_metrics": {}, "last_checkpoint": None,
+                       "pending_checkpoint": None, "retries": 0, "served_version": 1, "served_uri": "s3://b/r/000001/",
+                       "target_version": 1, "vllm_synced": True, "pinned": None,
+                       "history": [{"version": 1, "uri": "s3://b/r/000001/", "reloaded": True, "at_ms": 86_400_000}]
+                       }).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/status" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_training_and_pipeline_pages_read_the_services_status(status_server, tmp_path):
+    s = Settings(base_model_dir="/nonexistent", trainer_port=status_server, reloader_port=status_server,
+                 kafka_port=1, minio_port=1)
+    app = create_app(s, tail=False, eval_dirs=[tmp_path])
+    app.state.tail.views.add("checkpoint", {"run": "r", "version": 1, "uri": "s3://b/r/000001/", "step": 1,
+                                            "parent_version": 0, "manifest_sha256": "h", "created_ms": 5,
+                                            "metrics": {}, "event": "published", "detail": None})
+    with TestClient(app) as c:
+        page = " ".join(c.get("/training").text.split())  # default run: the one the reloader serves
+        assert "<b>r v1</b> (synced)" in page and "run r v3, 5 updates, step 6, 7 samples buffered" in page
+        assert "1970-01-02 00:00:00 UTC" in page  # v1 loaded by vLLM at the reloader's history time
+        pipe = c.get("/pipeline")
+        assert pipe.status_code == 200 and "Kafka:" in pipe.text  # no Kafka on port 1: said, not a crash
