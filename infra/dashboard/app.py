@@ -62,6 +62,9 @@ class Tail:
     stamps: dict[str, deque] = field(default_factory=lambda: {k: deque(maxlen=100_000)
                                                               for k in ("span", "transition")})
     undecodable: dict[str, int] = field(default_factory=dict)
+    #: (topic, partition) -> the next offset to read: a reconnect resumes there, so no record
+    #: is taken twice
+    positions: dict[tuple[str, int], int] = field(default_factory=dict)
     caught_up: bool = False
     error: str | None = None
 
@@ -78,7 +81,8 @@ class Tail:
 
 async def tail_topics(state: Tail, bootstrap: str, names: dict[str, T.Topic], stop: asyncio.Event) -> None:
     """Read every topic of ``names`` (name -> Topic) from the beginning into ``state`` until
-    ``stop``; reconnects after an error (its message in ``state.error``)."""
+    ``stop``; after an error (its message in ``state.error``) reconnects and resumes at
+    ``state.positions``."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     by_name = {n: t.record for n, t in names.items()}
@@ -89,7 +93,12 @@ async def tail_topics(state: Tail, bootstrap: str, names: dict[str, T.Topic], st
             await consumer.start()
             parts = [TopicPartition(n, p) for n, t in names.items() for p in range(t.partitions)]
             consumer.assign(parts)
-            await consumer.seek_to_beginning(*parts)
+            fresh = [tp for tp in parts if (tp.topic, tp.partition) not in state.positions]
+            if fresh:  # (with no argument aiokafka seeks every assigned partition)
+                await consumer.seek_to_beginning(*fresh)
+            for tp in parts:
+                if (tp.topic, tp.partition) in state.positions:
+                    consumer.seek(tp, state.positions[(tp.topic, tp.partition)])
             ends = await consumer.end_offsets(parts)
             state.error = None
             while not stop.is_set():
@@ -97,6 +106,7 @@ async def tail_topics(state: Tail, bootstrap: str, names: dict[str, T.Topic], st
                 for tp, msgs in batch.items():
                     for m in msgs:
                         state.take(by_name[tp.topic], m.value, m.timestamp)
+                    state.positions[(tp.topic, tp.partition)] = msgs[-1].offset + 1
                 if not state.caught_up and all(await _positions_reached(consumer, ends)):
                     state.caught_up = True
         except asyncio.CancelledError:
