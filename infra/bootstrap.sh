@@ -75,6 +75,21 @@ else
   log "DeepSpeed CPU ops cached ($cache/torch_extensions)"
 fi
 
+# --- Chromium for the dashboard's browser test ------------------------------------
+# Debian's packages (tests/integration/test_dashboard.py drives them with Selenium through
+# /usr/bin/chromedriver, so Selenium Manager never downloads a driver). Needs root (CI is).
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "Chromium + chromedriver: apt-get install chromium chromium-driver"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    log "WARNING: /usr/bin/chromium or /usr/bin/chromedriver missing and not root: the dashboard's browser test will fail (as root: apt-get install -y chromium chromium-driver)"
+  fi
+else
+  log "Chromium + chromedriver installed ($(/usr/bin/chromium --version 2>/dev/null | head -1))"
+fi
+
 # --- Base model ------------------------------------------------------------------
 log "Base model (SmolLM2-135M-Instruct safetensors)"
 (cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.infra.model)

@@ -32,7 +32,7 @@ def _names(only: str | None) -> list[str] | None:
 
 @stack_app.command("up")
 def stack_up(only: str = typer.Option(None, help="comma-separated components (default: all)")) -> None:
-    """Start the stack (Kafka, MinIO, vLLM, bridge, proxy, stream, trainer, reloader)."""
+    """Start the stack (Kafka, MinIO, vLLM, bridge, proxy, stream, trainer, reloader, dashboard)."""
     stack = Stack()
     try:
         with console.status("starting") as st:

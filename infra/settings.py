@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     #: stack. Kafka: comma-separated ``host:port`` list; MinIO: one ``host:port``
     kafka_bootstrap_servers: str = ""
     minio_address: str = ""
+    #: the web dashboard (infra/dashboard): rollouts, traces, training, pipeline
+    dashboard_port: int = 18092
+    #: rollouts the dashboard keeps in memory (the oldest seen is evicted; infra/dashboard/views.py)
+    dashboard_max_rollouts: int = 5000
 
     #: served model name at vLLM and in spans
     model_name: str = "policy"
@@ -115,6 +119,10 @@ class Settings(BaseSettings):
     @property
     def tracker_root(self) -> Path:
         return self.tracker_dir or (self.state_dir / "tensorboard")
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.host}:{self.dashboard_port}"
 
     @property
     def model_dir(self) -> Path:

@@ -164,6 +164,8 @@ class Stack:
                       start_timeout_s=300),
             Component("reloader", py + ["spanrl.trainer.reloader"],
                       health=lambda: _http_ok(f"http://{s.host}:{s.reloader_port}/health")),
+            Component("dashboard", py + ["spanrl.infra.dashboard"],
+                      health=lambda: _http_ok(f"{s.dashboard_url}/health")),
         ]
         return {c.name: c for c in comps}
 
@@ -310,7 +312,7 @@ class Stack:
         where = {"kafka": s.kafka_bootstrap, "minio": f"http://{s.minio_endpoint}", "vllm": s.vllm_url,
                  "bridge": s.bridge_url, "proxy": s.proxy_url,
                  "stream": f"http://{s.host}:{s.faust_web_port}", "trainer": f"http://{s.host}:{s.trainer_port}",
-                 "reloader": f"http://{s.host}:{s.reloader_port}"}
+                 "reloader": f"http://{s.host}:{s.reloader_port}", "dashboard": s.dashboard_url}
         return [(n, self.running(n), self.healthy(n), where[n]) for n in self.components]
 
     def tail(self, name: str, lines: int = 40) -> str:

@@ -1,0 +1,3 @@
+from spanrl.infra.dashboard.app import main
+
+main()
