@@ -527,7 +527,8 @@ def delete_run(client, bucket: str, cache_dir: Path, run: str) -> dict:
     start marker, gate records) and its :func:`local_run_dirs`. Returns ``{"run",
     "store_objects", "store_bytes", "local_bytes"}`` (what was removed). ``client`` None:
     local directories only. Its Kafka records (samples, announcements) stay: the log is
-    the record of what happened; a trainer started again on this run name starts afresh."""
+    the record of what happened; a trainer started again on this run name starts from the
+    base model (its versions continue past the deleted ones: ``train.resume_plan``)."""
     dirs = local_run_dirs(cache_dir, run)  # validates the name first
     removed = {"run": run, "store_objects": 0, "store_bytes": 0, "local_bytes": 0}
     if client is not None and client.bucket_exists(bucket):

@@ -305,6 +305,21 @@ def base_model_id(base_dir: Path) -> str:
     return BASE_MODEL_ID
 
 
+def resume_plan(kafka_latest: int | None, store_latest: int | None) -> tuple[int, bool, int | None]:
+    """Where a trainer resumes: ``(version, announce, gone)``.
+
+    version: the newest checkpoint in the object store (0: the base model). A checkpoint is
+    uploaded before it is announced, so an announcement newer than the store means its
+    objects were deleted (``spanrl clean``): the run goes on from what the store still
+    holds, never from a checkpoint that is gone (``gone``: that announced version, else
+    None). announce: the version is uploaded but not announced (a crash between the two).
+    """
+    version = store_latest or 0
+    announce = version > 0 and (kafka_latest is None or kafka_latest < version)
+    gone = kafka_latest if kafka_latest is not None and kafka_latest > version else None
+    return version, announce, gone
+
+
 # ---- the service (plumbing) ----------------------------------------------------------
 
 @dataclass
@@ -402,13 +417,17 @@ class Trainer:
 
     # resume ---------------------------------------------------------------------------
     async def resume(self) -> dict | None:
-        """Load the latest checkpoint of the run (Kafka announcements and MinIO listing,
-        whichever is newer); returns its manifest or None (start from the base model)."""
+        """Load the latest checkpoint of the run that the object store holds
+        (:func:`resume_plan`); returns its manifest or None (start from the base model)."""
         anns = await read_announcements(self.cfg.checkpoints_topic, self.run, self.settings.kafka_bootstrap)
         kafka_latest = max((a["version"] for a in anns), default=None)
         store_latest = await asyncio.to_thread(checkpoint.latest_version_in_store, self.minio,
                                                self.settings.checkpoint_bucket, self.run)
-        latest = max(v for v in (kafka_latest, store_latest, 0) if v is not None)
+        latest, announce, gone = resume_plan(kafka_latest, store_latest)
+        if gone is not None:
+            self.emit({"event": "announced_checkpoint_gone", "run": self.run, "announced": gone, "in_store": latest})
+            # versions keep growing past what was announced: readers take the newest announcement
+            self.state.version = gone
         if latest == 0 and self.cfg.init_from:
             return await self.init_from(self.cfg.init_from)
         if latest == 0:
@@ -417,12 +436,12 @@ class Trainer:
         dest = self.settings.cache_dir / "trainer" / self.run / f"{latest:06d}"
         manifest = await asyncio.to_thread(checkpoint.download_checkpoint, self.minio, uri, dest)
         self.model_dir = dest
-        self.state.version = manifest["version"]
+        self.state.version = max(manifest["version"], gone or 0)
         self.state.step = manifest["step"]
         self.state.trained_offsets = dict(manifest["trained_offsets"])
         self.emit({"event": "resume", "run": self.run, "version": latest, "uri": uri, "step": manifest["step"],
                    "trained_offsets": manifest["trained_offsets"]})
-        if kafka_latest is None or kafka_latest < latest:
+        if announce:
             # uploaded but never announced (crash between the two): announce now
             await self.announce(uri, manifest, dest)
         return manifest

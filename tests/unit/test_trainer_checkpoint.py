@@ -229,3 +229,14 @@ def test_weights_to_prune_keeps_the_newest():
 
     assert weights_to_prune([3, 1, 2, 5, 4], keep=2) == [1, 2, 3]
     assert weights_to_prune([1, 2], keep=4) == [] and weights_to_prune([1, 2], keep=0) == []
+
+
+def test_resume_plan_follows_the_store_not_announcements_of_deleted_checkpoints():
+    from spanrl.trainer.train import resume_plan
+
+    assert resume_plan(None, None) == (0, False, None)        # a new run: the base model
+    assert resume_plan(4, 4) == (4, False, None)              # the usual restart
+    assert resume_plan(3, 4) == (4, True, None)               # uploaded, never announced: announce it
+    assert resume_plan(None, 2) == (2, True, None)
+    assert resume_plan(7, None) == (0, False, 7)              # `spanrl clean` deleted the run's objects
+    assert resume_plan(7, 3) == (3, False, 7)                 # some deleted: resume what is left
