@@ -388,6 +388,15 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     def rollout_expiry(state: dict) -> int | None:
         return assembly.expires_at(state, cfg.retain_s)
 
+    group_index = TickIndex()  # the task states with an open group
+
+    def group_expiry(state: dict) -> int | None:
+        return None if grouping.has_open_group(state) else TickIndex.NEVER
+
+    def put_group(tid: str, state: dict) -> None:
+        groups[tid] = state
+        group_index.note(state["partition"], tid, group_expiry(state))
+
     def put_rollout(rid: str, state: dict) -> None:
         rollouts[rid] = state
         rollout_index.note(state["partition"], rid, rollout_expiry(state))
@@ -509,7 +518,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     async def _tick_group(tid: str, state: dict, now: int) -> None:
         out = grouping.advance(state, group_transitions, grouping_cfg, now)
         if out.samples or out.dead_letters:
-            groups[tid] = state
+            put_group(tid, state)
             await send_samples(out.samples)
             await send_dead(out.dead_letters)
 
@@ -519,7 +528,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         async for event in stream.events():
             msg = event.message
             now = _now_ms()
-            if await _ticked(msg, now, task_ticks, group_clock, groups, _tick_group):
+            if await _ticked(msg, now, task_ticks, group_clock, groups, _tick_group, group_index, group_expiry):
                 continue
             try:
                 tr = codec.decode("transition", msg.value)
@@ -529,7 +538,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 continue
             state = groups.get(tr["task_id"]) or grouping.new_state(tr["task_id"], msg.partition)
             out = grouping.add_transition(state, tr, group_transitions, grouping_cfg, now)
-            groups[tr["task_id"]] = state
+            put_group(tr["task_id"], state)
             await send_samples(out.samples)
             await send_dead(out.dead_letters)
 
@@ -621,6 +630,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             positions.pop(tp.partition, None)
             waiting.pop(tp.partition, None)
             rollout_index.forget(tp.partition)
+            group_index.forget(tp.partition)
 
     @app.page("/spanrl/counters/")
     async def counters_view(web, request):

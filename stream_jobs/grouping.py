@@ -57,6 +57,12 @@ def new_state(task_id: str, partition: int | None = None) -> dict:
             "open": None, "recent_closed": []}
 
 
+def has_open_group(state: dict) -> bool:
+    """Whether the task has an open group (a tick may close it by time-out); a task whose
+    groups are all closed waits for its next transition and needs no tick."""
+    return state["open"] is not None
+
+
 def store_key(task_id: str, rollout_id: str, attempt_id: str, span_id: str) -> str:
     return f"{task_id}|{rollout_id}|{attempt_id}|{span_id}"
 

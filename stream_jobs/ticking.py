@@ -19,7 +19,10 @@ from typing import Any
 
 
 class TickIndex:
-    """Live keys and expiry times per partition. ``expires_at`` (ms) None: live."""
+    """Live keys and expiry times per partition. ``expires_at`` (ms) None: live;
+    :data:`NEVER`: finished and never due (kept in the table, no tick needs it)."""
+
+    NEVER = -1
 
     def __init__(self) -> None:
         self._live: dict[int, set[str]] = {}
@@ -44,6 +47,9 @@ class TickIndex:
         due = self._due.setdefault(partition, {})
         if expires_at is None:
             self._live[partition].add(key)
+            due.pop(key, None)
+        elif expires_at == self.NEVER:
+            self._live[partition].discard(key)
             due.pop(key, None)
         else:
             self._live[partition].discard(key)

@@ -40,3 +40,12 @@ def test_expires_at_is_retain_after_the_last_finished_attempt():
     state["attempts"]["1"] = {"done": "dead_letter", "done_ms": 4000}
     assert assembly.expires_at(state, 60) == 64_000
     assert not assembly.expired(state, 63_999, 60) and assembly.expired(state, 64_000, 60)
+
+
+def test_never_due_keys_leave_the_index():
+    ix = TickIndex()
+    ix.rebuild(0, [("open", None), ("closed", TickIndex.NEVER)], expires_at=lambda s: s)
+    assert ix.visit(0, 10**12) == ["open"] and ix.size(0) == (1, 0)
+    ix.note(0, "open", TickIndex.NEVER)   # its group closed
+    ix.note(0, "closed", None)            # a new transition opened a group
+    assert ix.visit(0, 10**12) == ["closed"]
