@@ -87,3 +87,18 @@ def subtract_histograms(after: dict[str, int], before: dict[str, int]) -> dict[s
         if d:
             out[k] = d
     return out
+
+
+def status_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What a trainer did between two readings of its status's ``staleness`` (TrainerState):
+    ``{"max_staleness", "policy", "lag_histogram", "refused", "kept"}`` of the samples in
+    between; None when ``after`` has none (a trainer that does not report staleness); a
+    missing ``before`` counts from zero. Example: histograms {"0": 2} -> {"0": 5, "1": 1},
+    refused 0 -> 2 give {"lag_histogram": {"0": 3, "1": 1}, "refused": 2, ...}."""
+    if not after:
+        return None
+    before = before or {}
+    return {"max_staleness": after.get("max_staleness"), "policy": after.get("policy"),
+            "lag_histogram": subtract_histograms(after.get("lag_histogram", {}), before.get("lag_histogram", {})),
+            "refused": int(after.get("refused", 0)) - int(before.get("refused", 0)),
+            "kept": int(after.get("kept", 0)) - int(before.get("kept", 0))}

@@ -74,3 +74,12 @@ def test_intake_keeps_stale_samples_by_setting(monkeypatch, tmp_path):
 def test_bad_stale_policy_is_refused_at_start(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="stale_policy"):
         _trainer(monkeypatch, tmp_path, stale_policy="sometimes")
+
+
+def test_status_delta_is_what_the_job_trained():
+    before = {"max_staleness": 4, "policy": "refuse", "lag_histogram": {"0": 2}, "refused": 0, "kept": 0}
+    after = {"max_staleness": 4, "policy": "refuse", "lag_histogram": {"0": 5, "1": 1}, "refused": 2, "kept": 0}
+    assert staleness.status_delta(before, after) == {"max_staleness": 4, "policy": "refuse",
+                                                     "lag_histogram": {"0": 3, "1": 1}, "refused": 2, "kept": 0}
+    assert staleness.status_delta(None, after)["lag_histogram"] == {"0": 5, "1": 1}
+    assert staleness.status_delta(before, None) is None
