@@ -172,6 +172,19 @@ def load_model(model_dir: Path):
 
 # ---- one update (algorithm) -----------------------------------------------------------
 
+def sample_advantages(samples: list[dict], algorithm: str = "grpo") -> list[float]:
+    """The advantage of each sample in an update: ``grpo``, its own (the stream job's group
+    advantage of R); ``reinforce_pp``, its credited ``reward`` normalised over the update
+    (``losses.reinforce_pp_advantages``). Raises ValueError for another algorithm.
+    Example: rewards [0.75, 1.05, 0, 0] -> reinforce_pp [0.65, 1.30, -0.97, -0.97] (rounded)."""
+    if algorithm == "reinforce_pp":
+        # REINFORCE++ (arXiv 2501.03262) s3: the return of each action, normalised over the batch
+        return losses.reinforce_pp_advantages(torch.tensor([s["transition"]["reward"] for s in samples])).tolist()
+    if algorithm == "grpo":
+        return [s["advantage"] for s in samples]
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
                  pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0,
                  micro_batch_tokens: int | None = None, loss_agg: str = "token_mean",
@@ -183,14 +196,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     ``reward`` over the batch (the credit rule's return of that call, AIR's intermediate
     rewards included; with identical credit and no AIR it is the episode return R)."""
     t0 = time.perf_counter()
-    if algorithm == "reinforce_pp":
-        # REINFORCE++ (arXiv 2501.03262) s3: the return of each action, normalised over the batch
-        returns = torch.tensor([s["transition"]["reward"] for s in samples])
-        advantages = losses.reinforce_pp_advantages(returns).tolist()
-    elif algorithm == "grpo":
-        advantages = [s["advantage"] for s in samples]
-    else:
-        raise ValueError(f"unknown algorithm {algorithm!r}")
+    advantages = sample_advantages(samples, algorithm)
     if micro_batch_tokens:  # pack by padded tokens, longest first
         groups = batching.token_budget_batches(samples, micro_batch_tokens, micro_batch)
     else:

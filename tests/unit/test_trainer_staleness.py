@@ -83,3 +83,19 @@ def test_status_delta_is_what_the_job_trained():
                                                      "lag_histogram": {"0": 3, "1": 1}, "refused": 2, "kept": 0}
     assert staleness.status_delta(None, after)["lag_histogram"] == {"0": 5, "1": 1}
     assert staleness.status_delta(before, None) is None
+
+
+def test_reinforce_pp_normalises_the_credited_reward_grpo_keeps_the_group_advantage():
+    """With AIR, calls of one rollout differ in ``reward`` (R + i_t) though R is the same:
+    reinforce_pp sees the difference, grpo uses the stream job's advantage of R."""
+    from spanrl.trainer.train import sample_advantages
+
+    smp = [{"transition": {"reward": r, "episode_return": 1.0 if i < 2 else 0.0}, "advantage": a}
+           for i, (r, a) in enumerate([(0.75, 1.0), (1.05, 1.0), (0.0, -1.0), (0.0, -1.0)])]
+    mean = 0.45
+    std = ((0.3 ** 2 + 0.6 ** 2 + 2 * 0.45 ** 2) / 4) ** 0.5
+    assert sample_advantages(smp, "reinforce_pp") == pytest.approx([(r - mean) / (std + 1e-6)
+                                                                     for r in (0.75, 1.05, 0.0, 0.0)], abs=1e-6)
+    assert sample_advantages(smp, "grpo") == [1.0, 1.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        sample_advantages(smp, "ppo")
