@@ -232,3 +232,29 @@ def test_exception_event_becomes_attributes_for_air():
     assert c2.span["attributes"]["exception.message"] == "m" * 500 and "exception.type" not in c2.span["attributes"]
     [c3] = convert_request(request([span("tool.lookup", {"spanrl.rollout_id": "r1"})]))
     assert c3.span["attributes"] == {"spanrl.rollout_id": "r1"}
+
+
+def test_sdk_recorded_exception_reaches_the_span_record():
+    """The OTel SDK's own path: an exception raised in ``start_as_current_span`` is recorded as
+    an ``exception`` event and sets status ERROR; the OTLP exporter's encoder turns it into the
+    protobuf the bridge receives; the span record then carries AIR's exception / timeout facts."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from spanrl.producers import instrument
+    from spanrl.stream_jobs.air import span_facts
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(instrument.RolloutStampProcessor())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with instrument.rollout_context("r1", "0"):
+        with pytest.raises(TimeoutError):
+            with provider.get_tracer("t").start_as_current_span("tool.fetch", attributes={"gen_ai.tool.name": "fetch"}):
+                raise TimeoutError("upstream took too long")
+    [c] = convert_request(encode_spans(exporter.get_finished_spans()))
+    assert (c.span["kind"], c.span["status_code"], c.span["rollout_id"]) == ("tool", "ERROR", "r1")
+    assert c.span["attributes"]["exception.type"] == "TimeoutError"
+    assert c.span["attributes"]["exception.message"] == "upstream took too long"
+    assert span_facts(c.span) == ["tool_error", "exception", "timeout"]
