@@ -349,7 +349,10 @@ def eval_cmd(
 @app.command()
 def replay(
     suffix: str = typer.Option(..., help="names the output topics (transitions.<suffix>, samples.<suffix>) and the new run"),
-    credit_rule: str = typer.Option("identical", help="identical | scaled:<factor> | discounted:<gamma>"),
+    credit_rule: str = typer.Option("identical", help="identical | scaled:<factor> | discounted:<gamma> "
+                                    "| return_to_go:<gamma>"),
+    air_rules: str = typer.Option(None, help="AIR intermediate rewards, FACT:REWARD,... (e.g. tool_error:-0.1; "
+                                  "default: none; the live job's SPANRL_AIR_RULES is not used)"),
     train_agents: str = typer.Option(None, help="whose calls train: comma-separated agent names or re:EXPR "
                                      "(default: every call; the live job's SPANRL_TRAIN_AGENTS is not used)"),
     since: str = typer.Option(None, help="replay from this time (ISO 8601, UTC) instead of the beginning"),
@@ -369,7 +372,7 @@ def replay(
         since_ms = int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
     with console.status(f"replaying into transitions.{suffix} …"):
         result = run_replay(ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=since_ms,
-                                         train_agents=train_agents,
+                                         train_agents=train_agents, air_rules=air_rules,
                                          train_from=train_from, train_updates=train_updates), log=console.print)
     console.print_json(json.dumps(result))
 

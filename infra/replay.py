@@ -1,5 +1,6 @@
 """Replay: rebuild transitions and samples from the stored topics under a new credit
-rule, into new topics, then optionally train a new run from a chosen checkpoint.
+rule (and AIR rules, agent selection), into new topics, then optionally train a new run
+from a chosen checkpoint.
 
 The Kafka log is the source of truth (spans, rewards and rollouts are kept forever), so
 a replay is the same Faust job run again as a new consumer group (a new app id) that
@@ -40,11 +41,14 @@ class ReplayConfig:
     beginning); train_from: ``RUN:VERSION`` checkpoint to train a new run from (None: no
     training); train_updates: updates of that training; train_agents: whose calls become
     transitions (``SPANRL_TRAIN_AGENTS`` syntax: names or ``re:EXPR``; None: every call), so
-    the same stored spans can train a different set of agents."""
+    the same stored spans can train a different set of agents; air_rules: AIR's intermediate
+    rewards (``SPANRL_AIR_RULES`` syntax, spanrl.stream_jobs.air.parse_air_rules; None: none),
+    so the same spans give transitions with and without them."""
 
     suffix: str
     credit_rule: str = "identical"
     train_agents: str | None = None
+    air_rules: str | None = None
     since_ms: int | None = None
     train_from: str | None = None
     train_updates: int = 1
@@ -188,9 +192,13 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     Raises RuntimeError if the replay worker exits or does not catch up in ``timeout_s``.
     """
     s = settings or get_settings()
+    from spanrl.stream_jobs.air import parse_air_rules
     from spanrl.stream_jobs.assembly import parse_train_agents
+    from spanrl.stream_jobs.credit import parse_credit_rule
 
     parse_train_agents(cfg.train_agents)  # ValueError before anything starts
+    air = parse_air_rules(cfg.air_rules)
+    parse_credit_rule(cfg.credit_rule)
     transitions, samples, dead, accounts = output_topics(cfg.suffix)
     app_id = f"spanrl-replay-{cfg.suffix}"
     asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead, accounts)))
@@ -201,6 +209,7 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
     (state / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "SPANRL_STREAM_APP_ID": app_id, "SPANRL_CREDIT_RULE": cfg.credit_rule,
+           "SPANRL_AIR_RULES": cfg.air_rules or "",
            "SPANRL_TRANSITIONS_TOPIC": transitions.name, "SPANRL_SAMPLES_TOPIC": samples.name,
            "SPANRL_DEAD_LETTER_TOPIC": dead.name, "SPANRL_CALL_ACCOUNTS_TOPIC": accounts.name,
            "SPANRL_TRAIN_AGENTS": cfg.train_agents or "", "SPANRL_FAUST_WEB_PORT": str(_free_port()),
@@ -228,7 +237,8 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
             time.sleep(1.0)
     finally:
         stop_process_group(worker)
-    result = {"suffix": cfg.suffix, "credit_rule": cfg.credit_rule, "app_id": app_id,
+    result = {"suffix": cfg.suffix, "credit_rule": cfg.credit_rule, "air_rules": air.describe() if air else "",
+              "app_id": app_id,
               "transitions_topic": transitions.name, "samples_topic": samples.name,
               "transitions": asyncio.run(_count(s, transitions)), "samples": asyncio.run(_count(s, samples)),
               "dead_letters": asyncio.run(_count(s, dead)), "replay_s": round(time.monotonic() - t0, 1),
@@ -246,7 +256,10 @@ def train_replayed(cfg: ReplayConfig, samples_topic: str, s: Settings, log=print
            "SPANRL_TRAINER_RUN": run, "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
            "SPANRL_TRAINER_INIT_FROM": cfg.train_from, "SPANRL_TRAINER_START": "earliest",
            "SPANRL_TRAINER_MAX_UPDATES": str(cfg.train_updates), "SPANRL_TRAINER_HTTP": "false",
-           "SPANRL_TRAINER_IDLE_FLUSH_S": "3"}
+           "SPANRL_TRAINER_IDLE_FLUSH_S": "3",
+           # replayed samples are off-policy by design (made by the original run's versions):
+           # trained with the importance ratio capped (trainer/staleness.py), not refused
+           "SPANRL_TRAINER_STALE_POLICY": os.environ.get("SPANRL_TRAINER_STALE_POLICY", "keep")}
     log(f"training run {run} from {cfg.train_from} on {samples_topic}")
     state = (ROOT / s.state_dir).resolve()
     with open(state / "logs" / f"trainer-{run}.log", "ab") as out:

@@ -307,3 +307,28 @@ def flush(timeout_millis: int = 30_000) -> bool:
     provider = _provider or trace.get_tracer_provider()
     force = getattr(provider, "force_flush", None)
     return bool(force(timeout_millis)) if force else True
+
+
+# ---- tool calls (facts for AIR, stream_jobs/air.py) -------------------------------------
+
+@contextlib.contextmanager
+def tool_span(name: str, arguments: str | None = None) -> Iterator[trace.Span]:
+    """A span of one tool call as the OpenTelemetry GenAI conventions name it (``execute_tool
+    {name}``, ``gen_ai.operation.name = execute_tool``, ``gen_ai.tool.name``, the call's
+    ``gen_ai.tool.call.arguments`` cut to 1000 characters). Mark a failed call with
+    :func:`tool_failed`; an exception raised inside is recorded (event ``exception``) and sets
+    status ERROR, as the OTel SDK does. Its status is what AIR's ``tool_error`` /
+    ``tool_ok`` facts read; without a tracer provider it records nothing."""
+    attrs = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name}
+    if arguments is not None:
+        attrs["gen_ai.tool.call.arguments"] = arguments[:1000]
+    with trace.get_tracer("spanrl.producers.instrument").start_as_current_span(
+            f"execute_tool {name}", attributes=attrs) as span:
+        yield span
+
+
+def tool_failed(span: trace.Span, error_type: str, message: str = "") -> None:
+    """Mark a tool call's span failed: status ERROR (with ``message``) and ``error.type``
+    (GenAI conventions; a type naming a time-out, e.g. ``timeout``, is AIR's ``timeout`` fact)."""
+    span.set_attribute("error.type", error_type)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, message[:500]))

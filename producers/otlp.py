@@ -210,6 +210,25 @@ def span_agent_name(attrs: dict[str, object], resource_attrs: dict[str, object] 
     return None
 
 
+#: attributes of the OTel ``exception`` event a span keeps (OTel semantic conventions,
+#: "Exceptions"; the stacktrace stays out: size), and the most characters of each
+EXCEPTION_EVENT_KEYS = ("exception.type", "exception.message")
+EXCEPTION_TEXT_MAX = 500
+
+
+def exception_attributes(pb: PbSpan) -> dict[str, object]:
+    """``exception.type`` / ``exception.message`` of the span's last event named
+    ``exception`` (how OTel SDKs record an exception: ``Span.record_exception``), each cut to
+    :data:`EXCEPTION_TEXT_MAX` characters; ``{}`` without one. The span record has no events,
+    so these two become span attributes (AIR's ``exception`` / ``timeout`` facts,
+    stream_jobs/air.py). Pure."""
+    for event in reversed(pb.events):
+        if event.name == "exception":
+            attrs = {kv.key: any_value(kv.value) for kv in event.attributes if kv.key in EXCEPTION_EVENT_KEYS}
+            return {k: (v[:EXCEPTION_TEXT_MAX] if isinstance(v, str) else v) for k, v in attrs.items()}
+    return {}
+
+
 def orphan_refusal(trace_id: bytes, kind: str, record_to: object) -> str | None:
     """Why a span without a rollout id cannot wait on ``orphan-spans`` to join a rollout by
     its trace (dead-letter ``no_rollout_id`` at once), or None when it can. It cannot with an
@@ -230,6 +249,7 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
     (no rollout id, a valid trace id: :func:`orphan_refusal`; ``Converted.orphan``) or a
     dead-letter reason."""
     attrs = {kv.key: any_value(kv.value) for kv in pb.attributes}
+    attrs = {**exception_attributes(pb), **attrs}  # the span's own attributes win
     raw = pb.SerializeToString()
 
     def lookup(key: str) -> object:

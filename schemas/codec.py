@@ -41,8 +41,11 @@ RECORD_NAMES = {
     "call_account": "spanrl.CallAccount",
     "trace_link": "spanrl.TraceLink",
 }
-#: record types another record type refers to by name (parsed first)
-_DEPENDS = {"sample": ("transition",)}
+#: record types another record type refers to by name, per version of the referring type:
+#: record type -> {its version: {dependency: the dependency's version}}. Each version names
+#: the version it was written with, so that records written before the dependency evolved
+#: keep decoding (sample v1 embeds transition v1; sample v2, transition v2).
+_DEPENDS = {"sample": {1: {"transition": 1}, 2: {"transition": 2}}}
 #: Avro 1.11 spec "Primitive Types": int is 32-bit, long 64-bit signed
 _INT_RANGE = {"int": (-(2**31), 2**31 - 1), "long": (-(2**63), 2**63 - 1)}
 
@@ -75,8 +78,11 @@ class SchemaRegistry:
             if not m:
                 continue
             named: dict[str, Any] = {}
-            for dep in _DEPENDS.get(record_type, ()):
-                fastavro.parse_schema(self._raw(dep, self.latest_version(dep)), named_schemas=named)
+            deps = _DEPENDS.get(record_type, {})
+            if deps and int(m.group(1)) not in deps:
+                raise SchemaError("schema_error", f"{path.name}: codec._DEPENDS names no dependency versions for it")
+            for dep, dep_version in deps.get(int(m.group(1)), {}).items():
+                fastavro.parse_schema(self._raw(dep, dep_version), named_schemas=named)
             versions[int(m.group(1))] = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=named)
         if not versions:
             raise SchemaError("schema_error", f"no .avsc for {record_type!r} in {self.directory}")

@@ -33,6 +33,7 @@ from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs import metrics as worker_metrics
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.ticking import TickIndex
+from spanrl.stream_jobs.air import parse_air_rules
 from spanrl.stream_jobs.credit import parse_credit_rule
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class StreamConfig:
     join_traces: bool = True
     orphan_timeout_s: float = 300.0
     credit_rule: str = "identical"
+    #: AIR: intermediate rewards from span facts (``SPANRL_AIR_RULES``, stream_jobs/air.py; "": none)
+    air_rules: str = ""
     #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
     train_agents: assembly.AgentSelector | None = None
     reward_timeout_s: float = 60.0
@@ -102,6 +105,7 @@ class StreamConfig:
             join_traces=g("SPANRL_STREAM_JOIN_TRACES", "true").strip().lower() not in ("0", "false", "no", "off"),
             orphan_timeout_s=float(g("SPANRL_ORPHAN_TIMEOUT_S", "300")),
             credit_rule=g("SPANRL_CREDIT_RULE", "identical"),
+            air_rules=g("SPANRL_AIR_RULES", ""),
             train_agents=agents,
             reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),
             group_timeout_s=float(g("SPANRL_GROUP_TIMEOUT_S", "120")),
@@ -180,7 +184,7 @@ def _install_source_partition_transactions() -> None:
 
 class TransitionCodec(faust_codecs.Codec):
     """Faust codec of the ``group-transitions`` table: a transition dict as its Avro
-    record (schemas/avro/transition.v1.avsc, ~1/3 of its JSON); reads the JSON values
+    record (schemas/avro/transition.v2.avsc, ~1/3 of its JSON); reads the JSON values
     that workers before this codec wrote to the changelog."""
 
     def _dumps(self, obj: Any) -> bytes:
@@ -253,7 +257,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         topic_replication_factor=cfg.replication_factor,
     )
     assembly_cfg = assembly.AssemblyConfig(
-        credit_rule=parse_credit_rule(cfg.credit_rule), agents=cfg.train_agents,
+        credit_rule=parse_credit_rule(cfg.credit_rule).with_air(parse_air_rules(cfg.air_rules)), agents=cfg.train_agents,
         reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
         settle_s=cfg.settle_s, max_call_bytes=max_call_bytes(), production_idle_s=cfg.production_idle_s)
     grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)

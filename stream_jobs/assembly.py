@@ -58,6 +58,13 @@ completion token ids -> dead letter ``missing_token_ids`` for that span alone (t
 calls still train); completion logprobs not one per token -> ``logprobs_mismatch``; call
 data over ``max_call_bytes`` -> ``oversize``.
 A span re-delivered with the same ``span_id`` counts once.
+
+AIR (intermediate rewards, :mod:`spanrl.stream_jobs.air`): a non-call span that states a
+fact (a tool span's status, an exception, a time-out, a validator's verdict) is also kept
+as ``facts[span_id] = [start_ns, fact, ...]``, and each call keeps its end time
+(``end_ns``); when the attempt emits, :func:`build_transitions` gives every fact span's
+reward (the credit rule's AIR rules) to the call that caused it, and the credit rule adds
+it to that call's credit (``intermediate_reward`` of the transition).
 """
 from __future__ import annotations
 
@@ -71,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import MutableMapping
 
 from spanrl.producers import production
+from spanrl.stream_jobs import air
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
 
@@ -205,8 +213,9 @@ def _attempt(state: dict, attempt_id: str, now_ms: int) -> dict:
     if a is None:
         a = state["attempts"][attempt_id] = {
             "task_id": None, "group_size": None, "status": None, "error": None,
-            "calls": {},        # span_id -> {"sequence_id", "agent_name", "parent"}; tokens in the store
+            "calls": {},        # span_id -> {"sequence_id", "agent_name", "parent", "end_ns"}; tokens in the store
             "links": {},        # span_id -> [parent_span_id, agent name]: the agent's other spans
+            # "facts" (added by the first fact span): span_id -> [start_ns, fact, ...] (AIR, air.py)
             "bad_spans": [],    # span ids already dead-lettered
             "rewards": [],      # reward events in arrival order (value, final, name, span_id)
             "first_ms": now_ms, "last_ms": now_ms, "ended_ms": None, "ready_ms": None,
@@ -292,13 +301,19 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         # the agent's own telemetry (its framework's spans, its GenAI span of a call the
         # proxy recorded with tokens): not training data, but it names agents
         parent, agent = span.get("parent_span_id"), span.get("agent_name")
-        if not (parent or agent):
+        facts = air.span_facts(span)  # AIR: what the span says (a tool error, ...), kept small
+        if not (parent or agent or facts):
             return out
         a = state["attempts"].get(aid)
-        if a is not None and (a["done"] is not None or a.get("links", {}).get(sid) == [parent, agent]):
+        if a is not None and (a["done"] is not None or (
+                (not (parent or agent) or a.get("links", {}).get(sid) == [parent, agent])
+                and (not facts or sid in a.get("facts", {})))):
             return out
         a = _attempt(state, aid, now_ms)
-        a.setdefault("links", {})[sid] = [parent, agent]
+        if parent or agent:
+            a.setdefault("links", {})[sid] = [parent, agent]
+        if facts:
+            a.setdefault("facts", {})[sid] = [span.get("start_time_unix_nano"), *facts]
         out.changed = True
         return out
     a = _attempt(state, aid, now_ms)
@@ -331,7 +346,7 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
             reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"], detail=detail))
         return out
     a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name"),
-                       "parent": span.get("parent_span_id")}
+                       "parent": span.get("parent_span_id"), "end_ns": span.get("end_time_unix_nano")}
     store[store_key(rid, aid, sid)] = value
     return out
 
@@ -570,17 +585,20 @@ def call_account(rid: str, aid: str, a: dict, outcome: str, trained: frozenset, 
 def build_transitions(rid: str, aid: str, a: dict, R: float, store: MutableMapping,
                       rule: CreditRule, order: list[str] | None = None,
                       resolved: dict[str, tuple[str | None, str]] | None = None) -> list[dict]:
-    """Transition dicts (schemas/avro/transition.v1.avsc) of an ended attempt with return R,
-    one per call of ``order`` (default: every call), credited over those calls only."""
+    """Transition dicts (schemas/avro/transition.v2.avsc) of an ended attempt with return R,
+    one per call of ``order`` (default: every call), credited over those calls only; with
+    the rule's AIR rules (``rule.air``), each call's intermediate reward from the attempt's
+    fact spans (:func:`call_intermediate_rewards`) goes into its credit."""
     resolved = resolved if resolved is not None else resolved_agents(a)
     order = order if order is not None else selected_calls(a, None, resolved)
     T = len(order)
-    rewards = rule(R, T)  # LightningRL s3.3.2: identical credit -> every call gets R
+    intermediate = call_intermediate_rewards(a, order, rule)
+    rewards = rule(R, T, intermediate)  # LightningRL s3.3.2: identical credit -> every call gets R (+ AIR)
     transitions = []
     for t, sid in enumerate(order):
         call = decode_call(store[store_key(rid, aid, sid)])
         transitions.append({
-            "schema_version": 1,
+            "schema_version": 2,
             "rollout_id": rid,
             "attempt_id": aid,
             "span_id": sid,
@@ -599,8 +617,17 @@ def build_transitions(rid: str, aid: str, a: dict, R: float, store: MutableMappi
             "reward": rewards[t],
             "credit_rule": rule.name,
             "status": a["status"],
+            "intermediate_reward": intermediate[t],
+            "air_rules": rule.air_name,
         })
     return transitions
+
+
+def call_intermediate_rewards(a: dict, order: list[str], rule: CreditRule) -> list[float]:
+    """AIR (arXiv 2508.03680 s3.4.2): the intermediate reward of each call of ``order`` from
+    the attempt's fact spans (``a["facts"]``) under ``rule.air`` (zeros without AIR rules);
+    each fact span rewards the call that caused it (:func:`spanrl.stream_jobs.air.cause_of`)."""
+    return air.intermediate_rewards(a["calls"], a.get("facts", {}), order, rule.air)
 
 
 def _finish(rid: str, aid: str, a: dict, store: MutableMapping, how: str, now_ms: int) -> None:

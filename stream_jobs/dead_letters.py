@@ -25,10 +25,13 @@ NO_ROLLOUT_ID = "no_rollout_id"                # orphan span: no proxy call of i
 GROUP_INCOMPLETE = "group_incomplete"          # rollout still incomplete when its group closed
 SUPERSEDED_ATTEMPT = "superseded_attempt"      # another attempt of the same rollout is in the group
 GROUP_CLOSED = "group_closed"                  # transition of a rollout whose group already closed
+# --- trainer (stage "trainer") ---
+STALE_SAMPLE = "stale_sample"                  # behaviour version lags the trained one by > max_staleness
 
 ASSEMBLER = "assembler"
 GROUPER = "grouper"
 JOINER = "joiner"
+TRAINER = "trainer"
 
 
 def dead_letter(

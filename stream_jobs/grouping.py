@@ -69,7 +69,7 @@ def store_key(task_id: str, rollout_id: str, attempt_id: str, span_id: str) -> s
 
 def add_transition(state: dict, transition: dict, store: MutableMapping,
                    config: GroupingConfig, now_ms: int) -> GroupOutcome:
-    """Add one transition (decoded transition.v1); closes the group when it is full."""
+    """Add one transition (a decoded transition); closes the group when it is full."""
     tid, rid, aid, sid = (transition["task_id"], transition["rollout_id"],
                           transition["attempt_id"], transition["span_id"])
     if sid in state.get("closed_spans", ()):
@@ -134,7 +134,7 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
             calls = [store[store_key(tid, m["rollout_id"], m["attempt_id"], s)] for s in m["spans"]]
             for tr in sorted(calls, key=lambda t: t["call_index"]):
                 out.samples.append({
-                    "schema_version": 1, "transition": tr, "advantage": adv,
+                    "schema_version": codec.latest_version("sample"), "transition": tr, "advantage": adv,
                     "group_id": group_id, "group_rollouts": len(members),
                     "group_mean": mean, "group_std": std,
                 })

@@ -1,6 +1,6 @@
 """Sample records -> right-padded training tensors. Pure; no re-tokenisation, ever.
 
-A Sample (schemas/avro/sample.v1.avsc) holds the exact token ids vLLM consumed
+A Sample (schemas/avro/sample.v2.avsc) holds the exact token ids vLLM consumed
 (``prompt_token_ids``) and produced (``completion_token_ids``) with the behaviour
 log-prob of each completion token. Sequence i of a batch is
 ``prompt_i + completion_i``; completion token j sits at position ``P_i + j``.

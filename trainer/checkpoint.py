@@ -40,12 +40,14 @@ def sha256_file(path: Path) -> str:
 
 def write_manifest(ckpt_dir: Path, *, run: str, version: int, parent_version: int | None, base_model: str,
                    step: int, trained_offsets: dict[str, int], metrics: dict[str, float],
-                   consumed_offsets: dict[str, list[int]] | None = None) -> dict:
+                   consumed_offsets: dict[str, list[int]] | None = None, staleness: dict | None = None) -> dict:
     """Hash every file of ``ckpt_dir`` (except the manifest) and write ``manifest.json``.
 
     ``trained_offsets``: ``{"TOPIC:P": next offset}`` the weights have trained up to;
     ``consumed_offsets``: ``{"TOPIC:P": [from, to]}`` the half-open offset range this
-    version trained on since its parent (see :func:`consumed_ranges`).
+    version trained on since its parent (see :func:`consumed_ranges`); ``staleness``: the
+    staleness bound and what it did since the parent (``lag_histogram`` of the samples
+    trained, ``refused``, ``kept``; trainer/staleness.py), written when given.
     """
     ckpt_dir = Path(ckpt_dir)
     files = {p.name: sha256_file(p) for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
@@ -55,6 +57,8 @@ def write_manifest(ckpt_dir: Path, *, run: str, version: int, parent_version: in
         "consumed_offsets": {k: list(v) for k, v in (consumed_offsets or {}).items()},
         "metrics": dict(metrics), "files": files,
     }
+    if staleness is not None:
+        manifest["staleness"] = staleness
     (ckpt_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
 

@@ -55,6 +55,7 @@ def ppo_clip_loss(
     kl_coef: float = 0.0,
     ref_logp: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    ratio_cap: float | None = None,
 ) -> torch.Tensor:
     """PPO-clip / GRPO surrogate, token mean over the batch (see module doc).
 
@@ -62,7 +63,9 @@ def ppo_clip_loss(
     With ``kl_coef > 0`` and ``ref_logp`` adds ``kl_coef * k3(pi || pi_ref)`` per token.
     ``token_weights`` ``[B, T]`` (zero off the completion): the loss is
     ``sum(per_token * token_weights)`` instead of the token mean (``normaliser`` unused);
-    see :func:`sequence_loss_weights`.
+    see :func:`sequence_loss_weights`. ``ratio_cap`` (c > 1; None: off): dual-clip, the
+    per-token loss of a negative advantage is at most ``-c * A`` (:func:`dual_clip`), which
+    bounds the importance ratio where PPO's clip does not.
     """
     # PPO clipped objective: Schulman et al. 2017 (arXiv 1707.06347) eq. 7;
     # GRPO: Shao et al. 2024 (arXiv 2402.03300) eq. 3, ratio against the behaviour
@@ -71,6 +74,8 @@ def ppo_clip_loss(
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.max(pg_loss1, pg_loss2)
+    if ratio_cap is not None:
+        per_token = dual_clip(per_token, advantages, ratio_cap)
     if kl_coef and ref_logp is not None:
         # GRPO eq. 4: unbiased k3 estimator of KL(pi_theta || pi_ref)
         log_ref_ratio = ref_logp - logp
@@ -78,6 +83,17 @@ def ppo_clip_loss(
     if token_weights is not None:
         return masked_sum(per_token, completion_mask * token_weights)
     return masked_mean(per_token, completion_mask, normaliser)
+
+
+def dual_clip(per_token: torch.Tensor, advantages: torch.Tensor, ratio_cap: float) -> torch.Tensor:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 5): for a negative advantage the
+    clipped objective ``min(r A, clip(r) A)`` is unbounded as the ratio r grows (a token the
+    behaviour policy made unlikely); the dual clip takes ``max(., c A)``, so the per-token
+    loss is ``min(loss, -c A)`` where A < 0 and unchanged where A >= 0. ``[B, T]`` tensors;
+    raises ValueError unless c > 1. Example: A = -1, r = 5, eps 0.2, c = 3: PPO loss 5 -> 3."""
+    if not ratio_cap > 1.0:
+        raise ValueError(f"ratio_cap must be > 1, got {ratio_cap!r}")
+    return torch.where(advantages < 0, torch.minimum(per_token, -ratio_cap * advantages), per_token)
 
 
 LOSS_AGGREGATIONS = ("token_mean", "per_rollout_mean")

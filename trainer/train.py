@@ -42,7 +42,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spanrl.infra.settings import get_settings
 from spanrl.schemas import topics
-from spanrl.trainer import batching, checkpoint, losses, tracking
+from spanrl.trainer import batching, checkpoint, losses, staleness, tracking
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -60,7 +60,7 @@ class TrainerConfig(BaseSettings):
     base_dir: Path | None = None  # default: settings.model_dir
     samples_topic: str = topics.SAMPLES.name
     checkpoints_topic: str = topics.CHECKPOINTS.name
-    algorithm: str = "grpo"  # grpo: use each sample's group advantage; reinforce_pp: batch-normalised returns
+    algorithm: str = "grpo"  # grpo: use each sample's group advantage; reinforce_pp: batch-normalised rewards
     #: grpo, a sample of a group of one: "batch" = the REINFORCE++ batch baseline
     #: (losses.singleton_batch_advantages), "zero" = GRPO's 0 (such samples do not train)
     singleton_advantage: str = "batch"
@@ -88,6 +88,14 @@ class TrainerConfig(BaseSettings):
     log_path: Path | None = None  # JSON lines; default: settings.state_dir/trainer-<run>.jsonl
     http: bool = True
     seed: int = 0
+    #: staleness bound (trainer/staleness.py): the largest lag, trained version minus a
+    #: sample's behaviour version, trained as usual (< 0: no bound); beyond it a sample is
+    #: refused (dead letter ``stale_sample``) or, ``stale_policy=keep``, trained with the
+    #: importance ratio capped at ``ratio_cap`` (dual-clip; the whole update, as kept samples are in it)
+    max_staleness: int = 4
+    stale_policy: str = "refuse"
+    ratio_cap: float = 3.0
+    dead_letter_topic: str = topics.DEAD_LETTER.name
 
 
 # ---- engine ---------------------------------------------------------------------------
@@ -168,16 +176,17 @@ def load_model(model_dir: Path):
 # ---- one update (algorithm) -----------------------------------------------------------
 
 def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_advantage: str = "batch") -> list[float]:
-    """The advantage of each sample in an update. ``reinforce_pp``: the batch's returns
-    normalised (:func:`losses.reinforce_pp_advantages`); ``grpo``: the sample's group
-    advantage, except, with ``singleton_advantage="batch"``, samples of a group of one
-    (``group_rollouts`` 1), which get the batch baseline
-    (:func:`losses.singleton_batch_advantages`); ``"zero"`` keeps their 0. Hand-made
-    samples without ``group_rollouts`` (tests, bench) keep their own advantage. Raises
-    ValueError for an unknown algorithm or singleton_advantage."""
-    returns = torch.tensor([s["transition"]["episode_return"] for s in samples])
+    """The advantage of each sample in an update. ``reinforce_pp``: each sample's credited
+    ``reward`` normalised over the update (:func:`losses.reinforce_pp_advantages`); ``grpo``:
+    the sample's group advantage (the stream job's, of R), except, with
+    ``singleton_advantage="batch"``, samples of a group of one (``group_rollouts`` 1), which
+    get the batch baseline of their returns (:func:`losses.singleton_batch_advantages`);
+    ``"zero"`` keeps their 0. Hand-made samples without ``group_rollouts`` (tests, bench) keep
+    their own advantage. Raises ValueError for an unknown algorithm or singleton_advantage.
+    Example: rewards [0.75, 1.05, 0, 0] -> reinforce_pp [0.65, 1.30, -0.97, -0.97] (rounded)."""
     if algorithm == "reinforce_pp":
-        return losses.reinforce_pp_advantages(returns).tolist()
+        # REINFORCE++ (arXiv 2501.03262) s3: the return of each action, normalised over the batch
+        return losses.reinforce_pp_advantages(torch.tensor([s["transition"]["reward"] for s in samples])).tolist()
     if algorithm != "grpo":
         raise ValueError(f"unknown algorithm {algorithm!r}")
     advantages = [s["advantage"] for s in samples]
@@ -185,6 +194,7 @@ def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_ad
         return advantages
     if singleton_advantage != "batch":
         raise ValueError(f"unknown singleton_advantage {singleton_advantage!r}")
+    returns = torch.tensor([s["transition"]["episode_return"] for s in samples])
     return losses.singleton_batch_advantages(
         torch.tensor(advantages), returns, torch.tensor([s.get("group_rollouts", 2) for s in samples])).tolist()
 
@@ -192,10 +202,13 @@ def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_ad
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
                  pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0,
                  micro_batch_tokens: int | None = None, loss_agg: str = "token_mean",
-                 singleton_advantage: str = "batch") -> dict:
+                 singleton_advantage: str = "batch", ratio_cap: float | None = None) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` optimizer steps, each over all
     samples, micro-batched; ``loss_agg`` weighs tokens (``losses.sequence_loss_weights``:
-    token_mean or per_rollout_mean); returns metrics of the update."""
+    token_mean or per_rollout_mean); ``ratio_cap``: dual-clip (``losses.dual_clip``; None:
+    off); returns metrics of the update. ``reinforce_pp`` normalises each call's credited
+    ``reward`` over the batch (the credit rule's return of that call, AIR's intermediate
+    rewards included; with identical credit and no AIR it is the episode return R)."""
     t0 = time.perf_counter()
     advantages = sample_advantages(samples, algorithm, singleton_advantage)
     if micro_batch_tokens:  # pack by padded tokens, longest first
@@ -228,7 +241,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
             # weights of the whole update sum to 1 (token mean, or per-rollout mean)
             loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
-                                        clip_eps=clip_eps, kl_coef=kl_coef, token_weights=token_w)
+                                        clip_eps=clip_eps, kl_coef=kl_coef, token_weights=token_w,
+                                        ratio_cap=ratio_cap)
             engine.backward(loss, scale_wrt_gas=False)
             with torch.no_grad():
                 w = b.num_completion_tokens / n_tokens
@@ -335,6 +349,10 @@ class TrainerState:
     last_checkpoint: str | None = None
     pending_checkpoint: str | None = None  # saved, upload/announce not finished yet
     retries: int = 0  # retried MinIO/Kafka operations since start
+    #: staleness (trainer/staleness.py) since start: the bound, the lag histogram of the
+    #: samples trained ({"lag": count}), samples refused (dead letter stale_sample) and kept
+    staleness: dict = field(default_factory=lambda: {"max_staleness": None, "policy": None,
+                                                     "lag_histogram": {}, "refused": 0, "kept": 0})
 
 
 async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]:
@@ -397,6 +415,11 @@ class Trainer:
         # checkpoint's consumed_offsets ranges begin
         self._consumed_from: dict[str, int] = {}
         self.tracker: tracking.Tracker = tracking.NullTracker()  # set in _serve (SPANRL_TRACKER)
+        self.staleness_rule = staleness.StalenessRule(cfg.max_staleness, cfg.stale_policy)  # ValueError if bad
+        self.state.staleness.update(max_staleness=cfg.max_staleness, policy=cfg.stale_policy)
+        # what the next checkpoint's manifest reports (since its parent)
+        self._since_parent = {"lag_histogram": {}, "refused": 0, "kept": 0}
+        self._dead_producer = None
 
     def emit(self, record: dict) -> None:
         line = json.dumps(record, sort_keys=True)
@@ -501,7 +524,9 @@ class Trainer:
         manifest = await asyncio.to_thread(
             save_checkpoint, self.engine.module, self.model_dir, out, run=self.run, version=version,
             parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
-            trained_offsets=trained, consumed_offsets=consumed, metrics=metrics)
+            trained_offsets=trained, consumed_offsets=consumed, metrics=metrics,
+            staleness={"max_staleness": self.cfg.max_staleness, "policy": self.cfg.stale_policy,
+                       **self._since_parent})
         self.state.pending_checkpoint = uri
         await self._retry(f"upload {uri}",
                           lambda: asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri))
@@ -510,6 +535,7 @@ class Trainer:
         self.state.last_checkpoint = uri
         self.state.pending_checkpoint = None
         self._consumed_from = trained
+        self._since_parent = {"lag_histogram": {}, "refused": 0, "kept": 0}
         checkpoint.prune_local(out.parent, self.cfg.keep_local, protect={self.model_dir, out})
         if self.cfg.keep_published > 0:
             try:
@@ -650,6 +676,9 @@ class Trainer:
                         break
         finally:
             await consumer.stop()
+            if self._dead_producer is not None:
+                await self._dead_producer.stop()
+                self._dead_producer = None
 
     async def _update(self, buffer: list, pad_id: int) -> list:
         """Train on a prefix of ``buffer`` holding up to max_batch good samples; return the rest."""
@@ -660,18 +689,26 @@ class Trainer:
             taken += 1
             good += s is not None
         head, rest = buffer[:taken], buffer[taken:]
-        samples = [s for _, _, s in head if s is not None]
+        samples, lags, kept = await self._bound_staleness(head)
+        before = dict(self.state.trained_offsets)
+        for p, off, _ in head:
+            key = f"{self.cfg.samples_topic}:{p}"
+            self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
+        if not samples:  # every sample was stale: consumed (in the next checkpoint's ranges), no update
+            return rest
+        trained_version = self.state.version
         metrics = await asyncio.to_thread(
             train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
             micro_batch_tokens=self.cfg.micro_batch_tokens,
             ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
             singleton_advantage=self.cfg.singleton_advantage,
-            kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg)
-        before = dict(self.state.trained_offsets)
-        for p, off, _ in head:
-            key = f"{self.cfg.samples_topic}:{p}"
-            self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
-        trained_version = self.state.version
+            kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg,
+            ratio_cap=self.cfg.ratio_cap if kept else None)
+        hist = staleness.lag_histogram(lags)
+        for acc in (self.state.staleness, self._since_parent):
+            acc["lag_histogram"] = staleness.add_histograms(acc["lag_histogram"], hist)
+            acc["kept"] += kept
+        metrics = {**metrics, "max_lag": max(lags), "mean_lag": sum(lags) / len(lags)}
         self.state.step += self.cfg.ppo_epochs
         self.state.updates += 1
         self.state.last_metrics = metrics
@@ -688,6 +725,58 @@ class Trainer:
         if self.state.updates % self.cfg.checkpoint_every == 0:
             await self.publish()
         return rest
+
+    async def _bound_staleness(self, head: list) -> tuple[list[dict], list[int], int]:
+        """The samples of ``head`` (``(partition, offset, sample or None)``) to train under the
+        staleness rule at the current version, their lags, and how many of them are kept
+        beyond the bound; each refused one is dead-lettered ``stale_sample`` (with its lag
+        and source offset) and counted. A dead letter may be written again after a crash
+        (the samples since the last checkpoint are read again); its source offset tells."""
+        train, lags, kept = [], [], 0
+        for p, off, s in head:
+            if s is None:
+                continue
+            lag = staleness.version_lag(self.state.version, s["transition"]["policy_version"])
+            verdict = staleness.judge(lag, self.staleness_rule)
+            if verdict == staleness.REFUSED:
+                await self._dead_letter_stale(p, off, s, lag)
+                continue
+            kept += verdict == staleness.KEPT
+            train.append(s)
+            lags.append(lag)
+        return train, lags, kept
+
+    async def _dead_letter_stale(self, partition: int, offset: int, sample: dict, lag: int) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        from spanrl.schemas.codec import encode
+        from spanrl.stream_jobs import dead_letters as dl
+
+        t = sample["transition"]
+        record = dl.dead_letter(
+            dl.STALE_SAMPLE, dl.TRAINER, int(time.time() * 1000), rollout_id=t["rollout_id"], task_id=t["task_id"],
+            source_topic=self.cfg.samples_topic, source_partition=partition, source_offset=offset,
+            detail=f"lag {lag} > max_staleness {self.cfg.max_staleness}: behaviour version {t['policy_version']}, "
+                   f"trained version {self.state.version} (run {self.run}); span {t['span_id']}")
+
+        async def send() -> None:
+            if self._dead_producer is None:
+                producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True)
+                await producer.start()
+                self._dead_producer = producer
+            try:
+                await asyncio.wait_for(self._dead_producer.send_and_wait(
+                    self.cfg.dead_letter_topic, encode("dead_letter", record), key=t["rollout_id"].encode()), 60)
+            except BaseException:
+                producer, self._dead_producer = self._dead_producer, None  # a fresh one for the retry
+                await producer.stop()
+                raise
+
+        await self._retry(f"dead-letter stale sample {partition}:{offset}", send)
+        for acc in (self.state.staleness, self._since_parent):
+            acc["refused"] += 1
+        self.emit({"event": "stale_sample", "run": self.run, "partition": partition, "offset": offset, "lag": lag,
+                   "behaviour_version": t["policy_version"], "version": self.state.version})
 
     def status(self) -> dict:
         return asdict(self.state)

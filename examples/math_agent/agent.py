@@ -40,6 +40,8 @@ from autogen_core.model_context import UnboundedChatCompletionContext
 from autogen_core.models import AssistantMessage, UserMessage
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
+from spanrl.producers import instrument
+
 from .calc import calculate
 from .reward import extract_answer, reward
 from .tasks import short_question
@@ -92,12 +94,24 @@ def user_prompt(task: dict[str, Any]) -> str:
     return f"Question: {short_question(task)}\nEnd with: Answer: <number>"
 
 
+def run_calculator(expr: str) -> str:
+    """The calculator tool, traced: one OTel tool span per call (GenAI ``execute_tool
+    calculator``), failed (status ERROR, ``error.type = CalcError``) when the answer is an
+    error; with ``SPANRL_AIR_RULES=tool_error:<r>`` the stream job gives the call that wrote
+    the expression the intermediate reward r (stream_jobs/air.py)."""
+    with instrument.tool_span("calculator", expr) as span:
+        result = calculate(expr)
+        if result.startswith("error:"):
+            instrument.tool_failed(span, "CalcError", result)
+        return result
+
+
 def tool_reply(text: str) -> str | None:
     """The ``<result>…</result>`` message for the ``<calc>`` tags in ``text`` (None if none)."""
     exprs = CALC_RE.findall(text)[:MAX_CALCS_PER_REPLY]
     if not exprs:
         return None
-    return "\n".join(f"<result>{calculate(e)}</result>" for e in exprs)
+    return "\n".join(f"<result>{run_calculator(e)}</result>" for e in exprs)
 
 
 def make_client(base_url: str, **overrides: Any) -> OpenAIChatCompletionClient:

@@ -367,6 +367,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     for mode in modes:
         base_reports[mode] = _heldout_eval(cfg, s, "base", mode, console)
     t_train = time.monotonic()
+    staleness_before = _trainer_status(s).get("staleness")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
         bar = progress.add_task("starting", total=None)
@@ -384,6 +385,11 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
                 progress.console.print(f"  agent {name}: calls={c['calls']} trained={c['trained']} "
                                        f"excluded={c['excluded']}")
     train_s = time.monotonic() - t_train
+    from spanrl.trainer.staleness import status_delta
+
+    # the staleness bound over this job's training: lag histogram of what the trainer trained
+    # (trained version - behaviour version), samples refused (dead letter stale_sample) / kept
+    staleness = status_delta(staleness_before, _trainer_status(s).get("staleness"))
 
     # Did the served policy change? Mean per-token log-prob of iteration 0's completions
     # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
@@ -427,6 +433,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
         "final_served_version": final_version,
+        "staleness": staleness,
         "logprob_shift_of_iteration0_completions": shift,
         "heldout": {mode: _heldout_summary(r) for mode, r in heldout.items()},
         "training_wall_s": round(train_s, 1),

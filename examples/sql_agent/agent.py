@@ -41,6 +41,8 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 
+from spanrl.producers import instrument
+
 from . import db as dbs
 from .reward import extract_sql, reward
 
@@ -169,8 +171,12 @@ def build_graph(llm: BaseChatModel, db_path: Path, max_rewrites: int = MAX_REWRI
 
     def execute(state: SQLState) -> dict:
         sql = state.get("sql")
-        execution = (dbs.run_query(db_path, sql) if sql
-                     else dbs.Execution(None, "no SQL query found in the reply"))
+        # a tool span per execution, failed on an execution error: AIR's tool_error fact
+        with instrument.tool_span("sql", sql or "") as span:
+            execution = (dbs.run_query(db_path, sql) if sql
+                         else dbs.Execution(None, "no SQL query found in the reply"))
+            if execution.error:  # a query stopped at the time limit is AIR's timeout fact too
+                instrument.tool_failed(span, "timeout" if execution.timed_out else "SQLError", execution.error)
         return {"execution": execution, "tool_calls": state.get("tool_calls", 0) + 1,
                 "transcript": [{"node": "execute", "role": "tool", "content": format_result(execution)}]}
 

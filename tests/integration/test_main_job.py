@@ -91,6 +91,12 @@ def test_short_main_job(main_job, settings, tmp_path):
     assert manifest["version"] == version and manifest["trained_offsets"]
     assert set(manifest["files"]) >= {"model.safetensors", "config.json"}
     checkpoint.verify_manifest(dest)
+    # the staleness bound: the manifest and the summary report what was trained, by version lag
+    assert manifest["staleness"]["max_staleness"] == 4 and manifest["staleness"]["policy"] == "refuse"
+    st = summary["staleness"]
+    assert st["policy"] == "refuse" and st["kept"] == 0
+    assert sum(st["lag_histogram"].values()) + st["refused"] >= len(samples)  # the trainer may train others' too
+    assert all(int(lag) >= 0 for lag in st["lag_histogram"])
     # ... and vLLM served it: iteration 1's calls were made by versions no older than
     # iteration 0's, and by a newer one (the trainer may publish while an iteration runs,
     # and earlier tests of the session may have trained this run already)

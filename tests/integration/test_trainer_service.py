@@ -638,3 +638,64 @@ def test_spanrl_runs_and_clean_delete_a_run_from_minio_and_disk(tmp_path, light_
     assert checkpoint.latest_version_in_store(client, s.checkpoint_bucket, kept) == 1
     assert (s.cache_dir / "trainer" / kept / "000001" / "model.safetensors").exists()
     assert cli("clean", "").returncode == 2  # no pattern: a usage error, nothing deleted
+
+
+# ---- the staleness bound (Kafka + MinIO, the tiny model) ---------------------------------
+
+async def test_stale_samples_are_refused_dead_lettered_and_counted(tmp_path, light_stack, scratch_run, tiny_model_dir):
+    """A run started from a version-6 checkpoint (``init_from``) trains at version 6 with
+    ``max_staleness`` 4: samples made by versions 6, 5, 2, 1, 0 have lags 0, 1, 4, 5, 6; the
+    last two are refused (dead letters ``stale_sample`` on the dead-letter topic, with lag,
+    source offset), the others trained; the status and the new checkpoint's manifest report
+    the lag histogram and the refused count."""
+    from spanrl.schemas.codec import decode
+
+    s = get_settings()
+    tag = uuid.uuid4().hex[:8]
+    base, run = scratch_run(f"trstale-base-{tag}"), scratch_run(f"trstale-{tag}")
+    samples_topic, ckpt_topic, dead_topic = (f"trstale-{x}-{tag}" for x in ("samples", "checkpoints", "dead"))
+    key = f"{samples_topic}:0"
+    admin = await _topics(samples_topic, ckpt_topic, dead_topic)
+    minio = checkpoint.make_client(s)
+    ckpt = tmp_path / "000006"
+    shutil.copytree(tiny_model_dir, ckpt)
+    checkpoint.write_manifest(ckpt, run=base, version=6, parent_version=5, base_model="tiny", step=6,
+                              trained_offsets={}, metrics={})
+    try:
+        await asyncio.to_thread(checkpoint.upload_checkpoint, minio, ckpt,
+                                checkpoint.checkpoint_uri(s.checkpoint_bucket, base, 6))
+        from aiokafka import AIOKafkaProducer
+
+        producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True)
+        await producer.start()
+        for i, version in enumerate((6, 5, 2, 1, 0)):
+            smp = _toy_sample(i)
+            smp["transition"]["policy_version"] = version
+            await producer.send_and_wait(samples_topic, encode("sample", smp), key=b"t")
+        await producer.stop()
+        cfg = TrainerConfig(run=run, base_dir=tiny_model_dir, init_from=f"{base}:6", samples_topic=samples_topic,
+                            checkpoints_topic=ckpt_topic, dead_letter_topic=dead_topic, min_batch=5, micro_batch=4,
+                            max_updates=1, http=False, start="earliest", lr=1e-3, log_path=tmp_path / "t.jsonl")
+        trainer = Trainer(cfg)
+        await asyncio.wait_for(trainer.serve(), timeout=300)
+        assert trainer.state.version == 7
+        want = {"max_staleness": 4, "policy": "refuse", "lag_histogram": {"0": 1, "1": 1, "4": 1}, "refused": 2,
+                "kept": 0}
+        assert trainer.status()["staleness"] == want
+        [upd] = _events(tmp_path / "t.jsonl", "update")
+        assert (upd["samples"], upd["max_lag"], upd["consumed"]) == (3, 4, {key: [0, 5]})
+        manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio,
+                                           checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 7), tmp_path / "v7")
+        assert manifest["staleness"] == want and manifest["consumed_offsets"] == {key: [0, 5]}
+        from spanrl.infra.replay import read_records
+
+        dead = [decode("dead_letter", v) for _, _, _, v in await read_records(s.kafka_bootstrap, dead_topic)]
+        assert [(d["reason"], d["stage"], d["source_topic"], d["source_offset"], d["rollout_id"]) for d in dead] == [
+            ("stale_sample", "trainer", samples_topic, 3, "r-3"), ("stale_sample", "trainer", samples_topic, 4, "r-4")]
+        assert dead[0]["detail"].startswith("lag 5 > max_staleness 4: behaviour version 1, trained version 6")
+    finally:
+        await admin.delete_topics([samples_topic, ckpt_topic, dead_topic])
+        await admin.close()
+        for r in (base, run):
+            _remove_run(minio, s.checkpoint_bucket, r)
+            shutil.rmtree(s.cache_dir / "trainer" / r, ignore_errors=True)

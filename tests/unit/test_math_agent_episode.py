@@ -146,3 +146,31 @@ def test_runner_callable_emits_reward(monkeypatch, inside_loop):
     assert [(r["value"], r["final"], r["components"]) for r in ctx.rewards] == [
         (1.0, True, {"correct": 1.0, "format": 1.0})]
     assert "x-spanrl-agent" not in requests[0]["headers"]
+
+
+def test_calculator_calls_are_tool_spans_failed_on_errors(monkeypatch):
+    """Each calculator call is a GenAI tool span; an error answer fails it (status ERROR,
+    error.type CalcError): the facts AIR's tool_error / tool_ok rules read. The bridge's
+    kind and AIR's facts of the exported spans, computed as the stack computes them."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from examples.math_agent.agent import run_calculator, tool_reply
+    from spanrl.producers import instrument
+    from spanrl.producers.otlp import span_kind
+    from spanrl.stream_jobs.air import span_facts
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(instrument.trace, "get_tracer", lambda name, *a, **k: provider.get_tracer(name))
+    assert run_calculator("12*3") == "36"
+    assert tool_reply("<calc>1/0</calc> and <calc>2+2</calc>") == "<result>error: division by zero</result>\n<result>4</result>"
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["execute_tool calculator"] * 3
+    assert [s.attributes["gen_ai.tool.call.arguments"] for s in spans] == ["12*3", "1/0", "2+2"]
+    records = [{"kind": span_kind(s.name, dict(s.attributes)), "status_code": s.status.status_code.name,
+                "attributes": dict(s.attributes)} for s in spans]
+    assert [span_facts(r) for r in records] == [["tool_ok"], ["tool_error"], ["tool_ok"]]
+    assert spans[1].attributes["error.type"] == "CalcError" and spans[1].status.description == "error: division by zero"

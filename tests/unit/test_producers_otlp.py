@@ -208,3 +208,53 @@ def test_llm_span_without_or_with_bad_token_ids_has_no_llm_record():
                       "response_token_ids": ["b"]})
     [c] = convert_request(request([s]))
     assert c.span["llm"] is None and c.span["attributes"]["response_token_ids"] == '["b"]'
+
+
+def test_exception_event_becomes_attributes_for_air():
+    """The span record has no events: the last ``exception`` event's type and message (not
+    its stacktrace) become attributes; the span's own attributes win; a span without one is
+    unchanged. (AIR's exception/timeout facts, stream_jobs/air.py.)"""
+    pb = span("tool.lookup", {"spanrl.rollout_id": "r1", "exception.message": "own"})
+    pb.status.CopyFrom(Status(code=Status.STATUS_CODE_ERROR, message="TimeoutError: slow"))
+    first = pb.events.add(name="exception")
+    first.attributes.extend([kv("exception.type", "ValueError")])
+    pb.events.add(name="log").attributes.extend([kv("exception.type", "NotAnException")])
+    last = pb.events.add(name="exception")
+    last.attributes.extend([kv("exception.type", "TimeoutError"), kv("exception.message", "x" * 600),
+                            kv("exception.stacktrace", "Traceback ...")])
+    [c] = convert_request(request([pb]))
+    attrs = c.span["attributes"]
+    assert (attrs["exception.type"], attrs["exception.message"]) == ("TimeoutError", "own")
+    assert "exception.stacktrace" not in attrs and c.span["status_code"] == "ERROR" and c.span["kind"] == "tool"
+    pb2 = span("tool.lookup", {"spanrl.rollout_id": "r1"})
+    pb2.events.add(name="exception").attributes.extend([kv("exception.message", "m" * 600)])
+    [c2] = convert_request(request([pb2]))
+    assert c2.span["attributes"]["exception.message"] == "m" * 500 and "exception.type" not in c2.span["attributes"]
+    [c3] = convert_request(request([span("tool.lookup", {"spanrl.rollout_id": "r1"})]))
+    assert c3.span["attributes"] == {"spanrl.rollout_id": "r1"}
+
+
+def test_sdk_recorded_exception_reaches_the_span_record():
+    """The OTel SDK's own path: an exception raised in ``start_as_current_span`` is recorded as
+    an ``exception`` event and sets status ERROR; the OTLP exporter's encoder turns it into the
+    protobuf the bridge receives; the span record then carries AIR's exception / timeout facts."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from spanrl.producers import instrument
+    from spanrl.stream_jobs.air import span_facts
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(instrument.RolloutStampProcessor())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with instrument.rollout_context("r1", "0"):
+        with pytest.raises(TimeoutError):
+            with provider.get_tracer("t").start_as_current_span("tool.fetch", attributes={"gen_ai.tool.name": "fetch"}):
+                raise TimeoutError("upstream took too long")
+    [c] = convert_request(encode_spans(exporter.get_finished_spans()))
+    assert (c.span["kind"], c.span["status_code"], c.span["rollout_id"]) == ("tool", "ERROR", "r1")
+    assert c.span["attributes"]["exception.type"] == "TimeoutError"
+    assert c.span["attributes"]["exception.message"] == "upstream took too long"
+    assert span_facts(c.span) == ["tool_error", "exception", "timeout"]

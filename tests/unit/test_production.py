@@ -165,7 +165,7 @@ def test_batch_baseline_of_one_sample_is_zero():
 
 
 def _sample(R, adv, n):
-    return {"transition": {"episode_return": R}, "advantage": adv, "group_rollouts": n}
+    return {"transition": {"episode_return": R, "reward": R}, "advantage": adv, "group_rollouts": n}  # identical credit
 
 
 def test_trainer_update_advantages_by_setting():

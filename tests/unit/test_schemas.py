@@ -59,7 +59,9 @@ def _close(a, b):
 
 
 #: record types whose newest schema is past v1, and the fields that version added (with defaults)
-NEWER = {"checkpoint": (2, {"event": "published", "detail": None}), "rollout": (2, {"inputs_acked": False})}
+AIR_DEFAULTS = {"intermediate_reward": 0.0, "air_rules": ""}
+NEWER = {"checkpoint": (2, {"event": "published", "detail": None}), "transition": (2, AIR_DEFAULTS),
+         "sample": (2, {}), "rollout": (2, {"inputs_acked": False})}
 
 
 @pytest.mark.parametrize("record_type", sorted(RECORDS))
@@ -71,8 +73,26 @@ def test_round_trip(record_type):
     assert back["schema_version"] == version
     back.pop("schema_version")
     if record_type == "sample":
-        assert back["transition"].pop("schema_version") == 1
+        assert back["transition"].pop("schema_version") == 2
+        added = {"transition": {**TRANSITION, **AIR_DEFAULTS}}
     assert _close({**RECORDS[record_type], **added}, back)
+
+
+def test_v1_transitions_and_samples_read_with_air_defaults():
+    """Records written before AIR (transition v1, sample v1 embedding transition v1) decode
+    into v2 with intermediate_reward 0 and no AIR rules; a v2 record keeps its values."""
+    old_t = encode("transition", TRANSITION, version=1)
+    assert old_t[1:3] == b"\x00\x01"
+    back = decode("transition", old_t)
+    assert (back["intermediate_reward"], back["air_rules"], back["schema_version"]) == (0.0, "", 1)
+    old_s = encode("sample", RECORDS["sample"], version=1)
+    back = decode("sample", old_s)
+    assert back["schema_version"] == 1 and back["advantage"] == 0.5
+    assert (back["transition"]["intermediate_reward"], back["transition"]["air_rules"]) == (0.0, "")
+    assert back["transition"]["episode_return"] == 1.0 and back["transition"]["completion_token_ids"] == [4, 5]
+    air = {**TRANSITION, "reward": 0.9, "intermediate_reward": -0.1, "air_rules": "tool_error:-0.1"}
+    got = decode("sample", encode("sample", {**RECORDS["sample"], "transition": air}))["transition"]
+    assert (got["reward"], got["intermediate_reward"], got["air_rules"]) == (0.9, -0.1, "tool_error:-0.1")
 
 
 def test_checkpoint_v1_records_read_as_published():

@@ -173,3 +173,29 @@ def test_spec_names_the_graph_nodes():
     assert (spec.SUCCESS_COMPONENT, spec.FORMAT_COMPONENT) == ("correct", "format")
     assert (spec.TRAIN_SEED, spec.HELDOUT_SEED) == (0, 1000)
     assert spec.load_tasks("train", spec.TRAIN_SEED, 2)[0]["db"] == "chinook"
+
+
+def test_executions_are_tool_spans_failed_on_sql_errors(monkeypatch):
+    """``execute`` runs each query inside a tool span (GenAI ``execute_tool sql``): no query and
+    a query SQLite refuses fail it (``error.type`` SQLError: AIR's tool_error fact), the gold
+    query does not (tool_ok)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from spanrl.producers import instrument
+    from spanrl.producers.otlp import span_kind
+    from spanrl.stream_jobs.air import span_facts
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(instrument.trace, "get_tracer", lambda name, *a, **k: provider.get_tracer(name))
+    llm, _ = scripted(["I am not sure.", "VERDICT: WRONG", "SELECT Nme FROM Genre", "VERDICT: WRONG",
+                       GOLD_REPLY, "VERDICT: OK"])
+    A.run_episode(TASK, llm=llm)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "execute_tool sql"]
+    assert [s.attributes["gen_ai.tool.call.arguments"] for s in spans] == ["", "SELECT Nme FROM Genre", TASK["gold_sql"]]
+    assert [s.attributes.get("error.type") for s in spans] == ["SQLError", "SQLError", None]
+    records = [{"kind": span_kind(s.name, dict(s.attributes)), "status_code": s.status.status_code.name,
+                "attributes": dict(s.attributes)} for s in spans]
+    assert [span_facts(r) for r in records] == [["tool_error"], ["tool_error"], ["tool_ok"]]

@@ -1,7 +1,9 @@
 import math
 
+import pytest
+
 from spanrl.schemas import codec
-from spanrl.stream_jobs import assembly
+from spanrl.stream_jobs import air, assembly
 from spanrl.stream_jobs.credit import parse_credit_rule
 
 S = 1000  # ms per second
@@ -221,10 +223,14 @@ def test_store_holds_encoded_calls():
 
 def test_changed_only_when_the_state_changed():
     state, store = assembly.new_state("r1"), {}
-    # telemetry naming no agent and without a parent links nothing: no trace
-    assert not assembly.add_span(state, span("tool", 1, kind="tool", llm=False, agent=None), store, CFG, 0).changed
+    # telemetry naming no agent, without a parent and stating no fact (AIR) links nothing: no trace
+    assert not assembly.add_span(state, span("step", 1, kind="chain", llm=False, agent=None), store, CFG, 0).changed
     assert not assembly.add_span(state, span("otel", 2, llm=False, source="otlp", agent=None), store, CFG, 0).changed
     assert state == assembly.new_state("r1") and store == {}
+    # a tool span states a fact (tool_ok): kept, once
+    assert assembly.add_span(state, span("tool", 1, kind="tool", llm=False, agent=None), store, CFG, 0).changed
+    assert state["attempts"]["a0"]["facts"] == {"tool": [None, "tool_ok"]}
+    assert not assembly.add_span(state, span("tool", 1, kind="tool", llm=False, agent=None), store, CFG, 0).changed
     # a span naming an agent is a link; the same link again changes nothing
     assert assembly.add_span(state, span("node", 2, kind="chain", llm=False, agent="solver"), store, CFG, 0).changed
     assert state["attempts"]["a0"]["links"] == {"node": [None, "solver"]}
@@ -441,3 +447,67 @@ def test_bound_is_ignored_without_inputs_acked_and_reward_still_required():
     assert assembly.advance(s2, st2, CFG, 1 * S, {"spans": 1, "rewards": 0}).transitions == []
     out = assembly.advance(s2, st2, CFG, 10 * S, {"spans": 1, "rewards": 0})
     assert [d["reason"] for d in out.dead_letters] == ["no_reward_before_timeout"]
+# ---- AIR: intermediate rewards from span facts ---------------------------------------
+
+def timed(rec, start_ns=None, end_ns=None, status=None, **attrs):
+    """``rec`` with OTel times, a status and attributes (the bridge's span record fields)."""
+    out = {**rec, "start_time_unix_nano": start_ns, "end_time_unix_nano": end_ns, "attributes": attrs}
+    if status:
+        out["status_code"] = status
+    return out
+
+
+def air_events():
+    """Calls a (ends 10), b (ends 30), c (ends 50) of R = 1; tool t1 errors after a, tool t2
+    times out after b, tool t3 succeeds after c, a validator fails before any call ended."""
+    tool = lambda sid, seq, **kw: timed(span(sid, seq, kind="tool", llm=False, agent=None, source="otlp"), **kw)  # noqa: E731
+    return [
+        (0, "span", timed(span("a", 0), 1, 10)), (0, "span", timed(span("b", 1), 20, 30)),
+        (0, "span", timed(span("c", 2), 40, 50)),
+        (0, "span", tool("t1", 0, start_ns=12, end_ns=14, status="ERROR")),
+        (0, "span", tool("t2", 1, start_ns=30, end_ns=39, status="ERROR", **{"exception.type": "TimeoutError"})),
+        (0, "span", tool("t3", 2, start_ns=55, end_ns=56, status="OK")),
+        (0, "span", timed(span("v", 3, kind="other", llm=False, agent=None, source="otlp"), 0, 1,
+                          **{"spanrl.verdict": "fail"})),
+        (1, "life", lifecycle("succeeded")), (1, "reward", reward(1.0)),
+    ]
+
+
+def test_air_rewards_the_call_that_caused_each_fact_span():
+    """tool_error -0.1, timeout -0.5 (first rule in the order written wins per span),
+    tool_ok +0.05; identical credit: r_t = R + i_t. t2 started when b ended (ties go to b)."""
+    rule = parse_credit_rule("identical").with_air(air.parse_air_rules("timeout:-0.5,tool_error:-0.1,tool_ok:0.05"))
+    out, state, _ = run(air_events(), cfg=assembly.AssemblyConfig(credit_rule=rule, settle_s=0))
+    trs = out.transitions
+    assert [t["span_id"] for t in trs] == ["a", "b", "c"]
+    assert [t["intermediate_reward"] for t in trs] == [-0.1, -0.5, 0.05]
+    assert [t["reward"] for t in trs] == [0.9, 0.5, 1.05]
+    assert all(t["episode_return"] == 1.0 and t["air_rules"] == "timeout:-0.5,tool_error:-0.1,tool_ok:0.05"
+               and t["credit_rule"] == "identical" for t in trs)
+    assert state["attempts"]["a0"]["facts"]["t2"] == [30, "tool_error", "exception", "timeout"]
+    for t in trs:
+        assert codec.decode("transition", codec.encode("transition", t)) == t
+
+
+def test_air_return_to_go_and_unselected_causes():
+    """return_to_go:0.5, i = [-0.1, -0.1, +0.05] -> G_2 = 0.05 + R, G_t = i_t + 0.5 G_{t+1};
+    with only a and c selected (b's agent excluded), t2 (caused by b) rewards no call."""
+    rules = air.parse_air_rules("tool_error:-0.1,tool_ok:0.05,verdict_fail:-1")
+    rule = parse_credit_rule("return_to_go:0.5").with_air(rules)
+    out, _, _ = run(air_events(), cfg=assembly.AssemblyConfig(credit_rule=rule, settle_s=0))
+    # i = [-0.1 (t1), -0.1 (t2: tool_error first), 0.05 (t3)]; the verdict came before any call
+    assert [t["intermediate_reward"] for t in out.transitions] == [-0.1, -0.1, 0.05]
+    assert [t["reward"] for t in out.transitions] == pytest.approx([-0.1 + 0.5 * (-0.1 + 0.5 * 1.05),
+                                                                    -0.1 + 0.5 * 1.05, 1.05])
+    events = [(t, k, {**r, "agent_name": "critic"} if k == "span" and r["span_id"] == "b" else r)
+              for t, k, r in air_events()]
+    cfg = assembly.AssemblyConfig(credit_rule=parse_credit_rule("identical").with_air(rules), settle_s=0,
+                                  agents=frozenset({"solver"}))
+    out, _, _ = run(events, cfg=cfg)
+    assert [(t["span_id"], t["intermediate_reward"], t["reward"]) for t in out.transitions] == [
+        ("a", -0.1, 0.9), ("c", 0.05, 1.05)]
+
+
+def test_without_air_rules_transitions_are_as_before():
+    out, _, _ = run(air_events(), cfg=assembly.AssemblyConfig(settle_s=0))
+    assert [(t["reward"], t["intermediate_reward"], t["air_rules"]) for t in out.transitions] == [(1.0, 0.0, "")] * 3

@@ -54,3 +54,31 @@ def test_grpo_advantages_population_std():
     assert grpo_advantages([]) == []
     assert grpo_advantages([1.0, 1.0]) == [0.0, 0.0]  # no spread: no signal
     assert group_stats([1.0, 0.0, 0.0, 1.0]) == (0.5, 0.5)
+
+
+def test_return_to_go_and_own_intermediate_rewards():
+    from spanrl.stream_jobs import air
+    from spanrl.stream_jobs.credit import return_to_go_credit, with_intermediate
+
+    # G_t = sum_k gamma^(k-t) i_k + gamma^(T-1-t) R: R = 1, i = [-0.1, 0, -0.2], gamma = 0.5
+    assert return_to_go_credit(1.0, [-0.1, 0.0, -0.2], 0.5) == pytest.approx([0.1, 0.4, 0.8])
+    assert return_to_go_credit(2.0, [0.0, 0.0, 0.0], 0.5) == [0.5, 1.0, 2.0]  # = discounted:0.5
+    assert return_to_go_credit(1.0, [0.25, -0.5], 1.0) == [0.75, 0.5]      # gamma 1: R + future i
+    assert return_to_go_credit(1.0, [], 0.5) == []
+    assert with_intermediate([1.0, 1.0], [-0.25, 0.5]) == [0.75, 1.5]
+    with pytest.raises(ValueError):
+        with_intermediate([1.0], [0.0, 0.0])
+    rule = parse_credit_rule("return_to_go:0.5")
+    assert rule.name == "return_to_go:0.5" and rule(2.0, 3) == [0.5, 1.0, 2.0] and rule.air_name == ""
+    assert rule(1.0, 3, [-0.1, 0.0, -0.2]) == pytest.approx([0.1, 0.4, 0.8])
+    # the other rules add each call's own intermediate reward
+    assert parse_credit_rule("identical")(1.0, 2, [-0.25, 0.0]) == [0.75, 1.0]
+    assert parse_credit_rule("scaled:0.5")(2.0, 2, [0.25, -0.5]) == [1.25, 0.5]
+    assert parse_credit_rule("discounted:0.5")(4.0, 3, [0.0, -1.0, 0.5]) == [1.0, 1.0, 4.5]
+    with pytest.raises(ValueError, match="2 intermediate rewards for 3 calls"):
+        parse_credit_rule("identical")(1.0, 3, [0.0, 0.0])
+    with_air = parse_credit_rule("discounted:0.5").with_air(air.parse_air_rules("tool_error:-0.1"))
+    assert (with_air.name, with_air.air_name, with_air(4.0, 3)) == ("discounted:0.5", "tool_error:-0.1", [1.0, 2.0, 4.0])
+    for bad in ("return_to_go", "return_to_go:1.5", "return_to_go:x"):
+        with pytest.raises(ValueError):
+            parse_credit_rule(bad)

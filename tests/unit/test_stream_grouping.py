@@ -7,11 +7,12 @@ CFG = grouping.GroupingConfig(group_timeout_s=30)
 
 
 def tr(rid, i, R, n=2, task="t1", group_size=2, attempt="a0"):
-    return {"schema_version": 1, "rollout_id": rid, "attempt_id": attempt, "span_id": f"{rid}-{attempt}-{i}",
+    return {"schema_version": 2, "rollout_id": rid, "attempt_id": attempt, "span_id": f"{rid}-{attempt}-{i}",
             "task_id": task, "group_size": group_size, "sequence_id": i, "call_index": i,
             "rollout_transition_count": n, "agent_name": None, "model": "policy", "policy_version": 0,
             "prompt_token_ids": [1], "completion_token_ids": [2], "behaviour_logprobs": [-0.5],
-            "episode_return": R, "reward": R, "credit_rule": "identical", "status": "succeeded"}
+            "episode_return": R, "reward": R, "credit_rule": "identical", "status": "succeeded",
+            "intermediate_reward": 0.0, "air_rules": ""}
 
 
 def feed(state, store, records, now=0):

@@ -156,3 +156,20 @@ def test_ppo_clip_loss_token_weights():
     # per-sequence weights: seq 0 tokens 1/2 each (-1.2, -0.9), seq 1 nothing -> -1.05
     w = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
     assert losses.ppo_clip_loss(LOGP, BEHAVIOUR, ADV * MASK, MASK, token_weights=w).item() == pytest.approx(-1.05)
+
+
+def test_dual_clip_caps_the_ratio_of_negative_advantages():
+    """Dual-clip PPO (arXiv 1912.09729): A = -1, ratio e^ln5 = 5: PPO-clip loss is 5 (unbounded in
+    the ratio), with c = 3 it is 3; positive advantages and small ratios are unchanged."""
+    mask = torch.ones(1, 4)
+    logp = torch.log(torch.tensor([[5.0, 5.0, 0.5, 1.1]]))
+    beh = torch.zeros(1, 4)
+    adv = torch.tensor([[-1.0, 2.0, -1.0, -2.0]])
+    per_token = lambda cap: losses.ppo_clip_loss(logp, beh, adv, mask, clip_eps=0.2, ratio_cap=cap,  # noqa: E731
+                                                 token_weights=torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert float(per_token(None)) == pytest.approx(5.0)
+    assert float(per_token(3.0)) == pytest.approx(3.0)
+    # per token: [min(5, 3), -2 * clip(5) = -2.4, max(0.5, 0.8) = 0.8, 2 * 1.1 = 2.2] -> mean
+    assert float(losses.ppo_clip_loss(logp, beh, adv, mask, ratio_cap=3.0)) == pytest.approx((3.0 - 2.4 + 0.8 + 2.2) / 4)
+    with pytest.raises(ValueError, match="ratio_cap must be > 1"):
+        losses.dual_clip(torch.zeros(1, 1), torch.zeros(1, 1), 1.0)
