@@ -43,6 +43,9 @@ RECORD_NAMES = {
 }
 #: record types another record type refers to by name (parsed first)
 _DEPENDS = {"sample": ("transition",)}
+#: top-level attribute of a schema file naming the versions of the record types it refers to
+#: (Avro 1.11 spec: attributes not defined by the spec are metadata); absent: version 1 of each
+DEPENDS_ATTRIBUTE = "spanrl.depends"
 #: Avro 1.11 spec "Primitive Types": int is 32-bit, long 64-bit signed
 _INT_RANGE = {"int": (-(2**31), 2**31 - 1), "long": (-(2**63), 2**63 - 1)}
 
@@ -74,10 +77,11 @@ class SchemaRegistry:
             m = re.fullmatch(rf"{record_type}\.v(\d+)\.avsc", path.name)
             if not m:
                 continue
+            raw = json.loads(path.read_text())
             named: dict[str, Any] = {}
             for dep in _DEPENDS.get(record_type, ()):
-                fastavro.parse_schema(self._raw(dep, self.latest_version(dep)), named_schemas=named)
-            versions[int(m.group(1))] = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=named)
+                fastavro.parse_schema(self._raw(dep, dependency_version(raw, dep)), named_schemas=named)
+            versions[int(m.group(1))] = fastavro.parse_schema(raw, named_schemas=named)
         if not versions:
             raise SchemaError("schema_error", f"no .avsc for {record_type!r} in {self.directory}")
         self._versions[record_type] = versions
@@ -134,6 +138,14 @@ class SchemaRegistry:
         if buf.tell() != len(body):
             raise SchemaError("schema_error", f"{record_type} v{version}: trailing bytes after record")
         return record
+
+
+def dependency_version(schema: dict, dependency: str) -> int:
+    """The version of ``dependency`` (a record type another refers to by name) that the
+    parsed-JSON ``schema`` was written with: its ``"spanrl.depends"`` attribute, else 1.
+    A writer schema must keep the dependency version it was written with, or its old
+    records would decode against a newer layout (sample v1 holds a transition v1)."""
+    return int(schema.get(DEPENDS_ATTRIBUTE, {}).get(dependency, 1))
 
 
 def _check_scalars(avro: Any, value: Any, where: str) -> None:

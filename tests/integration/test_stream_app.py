@@ -227,7 +227,8 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
                         "dead_letters_out": {"schema_error": 1},
                         "call_accounts_out": 4, "calls_by_agent": {"solver|trained": 8},
                         # the test's spans have no trace parent: no trace links, nothing joined
-                        "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0}
+                        "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0,
+                        "attempts_parked": 0, "spans_reread": 0, "late_rewards_emitted": 0, "calls_held": 0}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
