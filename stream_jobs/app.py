@@ -249,7 +249,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         credit_rule=parse_credit_rule(cfg.credit_rule), agents=cfg.train_agents,
         reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
         settle_s=cfg.settle_s, max_call_bytes=max_call_bytes(), reward_window_s=cfg.reward_window_s)
-    grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)
+    grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s, late_join_s=cfg.reward_window_s)
     join_cfg = joining.JoinConfig(orphan_timeout_s=cfg.orphan_timeout_s, orphan_topic=cfg.orphan_spans_topic)
     rollout_partitions = topics.SPANS.partitions
     task_partitions = topics.TRANSITIONS.partitions
