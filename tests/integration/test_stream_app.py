@@ -685,11 +685,7 @@ def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_min
                                 lambda g: len(g["samples"]) >= 2 and len(g["dead-letter"]) >= 2, 60))
         counters = _counters(web_port)
     finally:
-        stop_process_group(worker, grace_s=15)
-        try:
-            asyncio.run(_admin("delete", names, app_id))
-        except Exception:
-            pass
+        _stop_private(worker, names, app_id)
         minio.remove_object(settings.payload_bucket, claim_key)
     worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
 
@@ -715,6 +711,15 @@ def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_min
     dead = sorted((d["rollout_id"], d["reason"]) for d in got["dead-letter"])
     assert dead == [("rgone", "late_spans_missing"), ("rnever", "no_reward_before_window")], got["dead-letter"]
     assert (counters["spans_reread"], counters["late_rewards_emitted"], counters["transitions_out"]) == (2, 1, 2)
+
+
+def _stop_private(worker: subprocess.Popen, names: dict, app_id: str) -> None:
+    """Stop a private worker and delete its topics (best effort)."""
+    stop_process_group(worker, grace_s=15)
+    try:
+        asyncio.run(_admin("delete", names, app_id))
+    except Exception:
+        pass
 
 
 async def _delete_records(tp, before: int) -> None:
