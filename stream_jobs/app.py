@@ -7,7 +7,9 @@ per-rollout state in a table -> transitions (key task_id).
 Agent ``group``: transitions -> per-task group state in a table -> samples (key task_id).
 Agent ``join``: orphan-spans (no rollout id) + trace links (key trace_id) -> per-trace state
 in a table -> joined spans back into spans (key rollout_id) (stream_jobs/joining.py).
-All -> dead-letter (key rollout_id). See stream_jobs/README.md.
+All -> dead-letter (key rollout_id). Late rewards: when a parked attempt's final reward
+comes, ``assemble`` re-reads its calls' spans (stream_jobs/spans_reader.py) inside that
+event's transaction. See stream_jobs/README.md.
 
 Plumbing only: every decision is made by the pure functions.
 """
