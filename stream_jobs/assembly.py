@@ -443,7 +443,8 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
         chosen = selected_calls(a, config.agents)
         missing = [sid for sid in chosen if store_key(rid, aid, sid) not in store]
         if missing:
-            return dead(dl.LATE_SPANS_MISSING, f"final reward {reward_delay_ms(a)} ms after the end, but "
+            delay = reward_delay_ms(a)
+            return dead(dl.LATE_SPANS_MISSING, f"final reward {'late' if delay is None else f'{delay} ms after the end'}, but "
                         f"{len(missing)} of {len(chosen)} parked calls could not be re-read from spans "
                         f"(deleted by retention, or no longer the span recorded): {', '.join(missing[:8])}")
         return _emit(rid, aid, a, R, store, config, now_ms, out, dead)
