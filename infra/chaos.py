@@ -54,6 +54,8 @@ FAULTS: dict[str, str] = {
 #: dead-lettered within the run, checkpoints every update, small batches
 CHAOS_ENV = {
     "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
+    # late rewards: an attempt without one parks at 15 s and is dead-lettered at 25 s
+    "SPANRL_REWARD_WINDOW_S": "25",
     "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12", "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
     "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
     # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4 only

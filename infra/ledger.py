@@ -21,10 +21,12 @@ from dataclasses import asdict, dataclass, field
 
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import grpo_advantages
+from spanrl.stream_jobs.grouping import late_member_advantage
 
 #: assembler reasons that end a whole attempt (all its calls are dead-lettered with it)
 ATTEMPT_REASONS = frozenset({
     dl.NO_LLM_CALLS, dl.NO_REWARD_BEFORE_TIMEOUT, dl.ROLLOUT_FAILED_NO_REWARD, dl.ROLLOUT_TIMEOUT,
+    dl.NO_REWARD_BEFORE_WINDOW, dl.LATE_SPANS_MISSING,
     getattr(dl, "UNKNOWN_ROLLOUT", "unknown_rollout"),
 })  # (invalid_reward is about one reward event; the attempt may still get a valid one)
 #: assembler reasons about one span
@@ -182,16 +184,24 @@ def account(*, calls: list[dict], events: list[dict], transitions: list[dict], s
 
 def advantage_mismatches(samples: list[dict], eps: float = 1e-6, acc: Account | None = None) -> int:
     """Samples whose advantage differs (abs 1e-9) from GRPO recomputed over their group
-    (one return per member rollout attempt; spanrl.stream_jobs.credit.grpo_advantages)."""
-    groups: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
+    (one return per member rollout attempt; spanrl.stream_jobs.credit.grpo_advantages), late
+    members against the group before them (spanrl.stream_jobs.grouping.late_member_advantage)."""
+    groups: dict[str, dict[tuple[str, str], tuple[int, float]]] = defaultdict(dict)
     for s in samples:
         t = s["transition"]
-        groups[s["group_id"]][(t["rollout_id"], t["attempt_id"])] = t["episode_return"]
+        groups[s["group_id"]][(t["rollout_id"], t["attempt_id"])] = (s.get("group_rollouts", 0), t["episode_return"])
     expected: dict[tuple[str, str, str], float] = {}
     for gid, members in groups.items():
-        order = sorted(members)
-        for m, a in zip(order, grpo_advantages([members[m] for m in order], eps)):
+        # the members at close share the smallest group_rollouts; late members
+        # (stream_jobs/grouping.py) came one by one after, each with one more
+        closed = min(n for n, _ in members.values())
+        order = sorted(m for m, (n, _) in members.items() if n == closed)
+        returns = [members[m][1] for m in order]
+        for m, a in zip(order, grpo_advantages(returns, eps)):
             expected[(gid, *m)] = a
+        for m in sorted((m for m in members if members[m][0] > closed), key=lambda m: members[m][0]):
+            expected[(gid, *m)] = late_member_advantage(returns, members[m][1], eps)
+            returns.append(members[m][1])
     bad = 0
     for s in samples:
         t = s["transition"]

@@ -77,6 +77,7 @@ class SchemaRegistry:
             m = re.fullmatch(rf"{record_type}\.v(\d+)\.avsc", path.name)
             if not m:
                 continue
+            raw = json.loads(path.read_text())
             named: dict[str, Any] = {}
             deps = _DEPENDS.get(record_type, {})
             if deps and int(m.group(1)) not in deps:

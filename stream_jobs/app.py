@@ -7,7 +7,9 @@ per-rollout state in a table -> transitions (key task_id).
 Agent ``group``: transitions -> per-task group state in a table -> samples (key task_id).
 Agent ``join``: orphan-spans (no rollout id) + trace links (key trace_id) -> per-trace state
 in a table -> joined spans back into spans (key rollout_id) (stream_jobs/joining.py).
-All -> dead-letter (key rollout_id). See stream_jobs/README.md.
+All -> dead-letter (key rollout_id). Late rewards: when a parked attempt's final reward
+comes, ``assemble`` re-reads its calls' spans (stream_jobs/spans_reader.py) inside that
+event's transaction. See stream_jobs/README.md.
 
 Plumbing only: every decision is made by the pure functions.
 """
@@ -34,6 +36,7 @@ from spanrl.stream_jobs import metrics as worker_metrics
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.ticking import TickIndex
 from spanrl.stream_jobs.air import parse_air_rules
+from spanrl.stream_jobs.spans_reader import SpansReader
 from spanrl.stream_jobs.credit import parse_credit_rule
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ class StreamConfig:
     #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
     train_agents: assembly.AgentSelector | None = None
     reward_timeout_s: float = 60.0
+    #: late rewards: a parked attempt takes its final reward this long after its end
+    reward_window_s: float = 7 * 24 * 3600.0
     group_timeout_s: float = 120.0
     rollout_timeout_s: float = 900.0
     settle_s: float = 2.0
@@ -108,6 +113,7 @@ class StreamConfig:
             air_rules=g("SPANRL_AIR_RULES", ""),
             train_agents=agents,
             reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),
+            reward_window_s=float(g("SPANRL_REWARD_WINDOW_S", str(7 * 24 * 3600))),
             group_timeout_s=float(g("SPANRL_GROUP_TIMEOUT_S", "120")),
             rollout_timeout_s=float(g("SPANRL_ROLLOUT_TIMEOUT_S", "900")),
             settle_s=float(g("SPANRL_SETTLE_S", "2")),
@@ -259,8 +265,9 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     assembly_cfg = assembly.AssemblyConfig(
         credit_rule=parse_credit_rule(cfg.credit_rule).with_air(parse_air_rules(cfg.air_rules)), agents=cfg.train_agents,
         reward_timeout_s=cfg.reward_timeout_s, rollout_timeout_s=cfg.rollout_timeout_s,
-        settle_s=cfg.settle_s, max_call_bytes=max_call_bytes(), production_idle_s=cfg.production_idle_s)
-    grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s)
+        settle_s=cfg.settle_s, max_call_bytes=max_call_bytes(), production_idle_s=cfg.production_idle_s,
+        reward_window_s=cfg.reward_window_s)
+    grouping_cfg = grouping.GroupingConfig(group_timeout_s=cfg.group_timeout_s, late_join_s=cfg.reward_window_s)
     join_cfg = joining.JoinConfig(orphan_timeout_s=cfg.orphan_timeout_s, orphan_topic=cfg.orphan_spans_topic)
     rollout_partitions = topics.SPANS.partitions
     task_partitions = topics.TRANSITIONS.partitions
@@ -309,6 +316,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     traces = app.Table("traces", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
     orphans = app.Table("orphans", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
     claim_client = claims.make_client()
+    spans_reader = SpansReader(cfg.bootstrap, cfg.claim_retry_s, MAX_RECORD_BYTES)
 
     async def send_dead(records: list[dict], message=None, payload: bytes | None = None) -> None:
         for r in records:
@@ -377,6 +385,44 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                                             rollout_id=record["rollout_id"])], msg, msg.value)
             return None
 
+    async def reread_span(rid: str, aid: str, sid: str, value: bytes | None) -> bytes | None:
+        """The store value of a parked call from its re-read span record (claim resolved
+        again), or None (the attempt then ends ``late_spans_missing``)."""
+        if value is None:
+            return None
+        try:
+            span = codec.decode("span", value)
+            if span.get("payload_ref"):
+                data = await claims.resolve_claim(claim_client, span["payload_ref"], cfg.payload_bucket,
+                                                  cfg.claim_retry_s)
+                span = claims.check_claimed(span, codec.decode("span", data))
+        except (claims.ClaimError, codec.SchemaError) as exc:
+            log.warning("spanrl: re-read span %s of %s/%s: %s", sid, rid, aid, exc)
+            return None
+        return assembly.restore_call(rid, aid, sid, span)
+
+    async def advance_rollout(state: dict, now: int, pos: dict[str, int] | None) -> assembly.Outcome:
+        """assembly.advance (``pos``: the partition's positions, the emission rule); a parked
+        attempt with a final reward first gets its calls re-read from spans (inside this
+        event's transaction: what it emits commits with the event)."""
+        parked = state_parked(state)
+        wanted = assembly.parked_reads(state, calls, assembly_cfg)
+        if not wanted:
+            out = assembly.advance(state, calls, assembly_cfg, now, pos)
+            counters["attempts_parked"] += max(0, state_parked(state) - parked)
+            return out
+        rid, restored = state["rollout_id"], {}
+        records = await spans_reader.read([tuple(at) for reads in wanted.values() for _, at in reads])
+        for aid, reads in wanted.items():
+            for sid, at in reads:
+                value = await reread_span(rid, aid, sid, records.get(tuple(at)))
+                if value is not None:
+                    restored[assembly.store_key(rid, aid, sid)] = value
+        counters["spans_reread"] += len(restored)
+        out = assembly.advance(state, assembly.WithRestored(calls, restored), assembly_cfg, now, pos)
+        counters["late_rewards_emitted"] += len({t["attempt_id"] for t in out.transitions if t["late_reward"]})
+        return out
+
     kinds = {cfg.spans_topic: ("span", "spans_in"), cfg.rewards_topic: ("reward", "rewards_in"),
              cfg.rollouts_topic: ("rollout", "rollout_events_in")}
     roles = {cfg.spans_topic: "spans", cfg.rewards_topic: "rewards", cfg.rollouts_topic: "rollouts"}
@@ -390,7 +436,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     rollout_index = TickIndex()  # the rollout states a tick visits (stream_jobs/ticking.py)
 
     def rollout_expiry(state: dict) -> int | None:
-        return assembly.expires_at(state, cfg.retain_s)
+        return assembly.tick_due(state, assembly_cfg, cfg.retain_s)
 
     group_index = TickIndex()  # the task states with an open group
 
@@ -445,7 +491,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             if state is None:
                 waiting[partition].pop(rid, None)
                 continue
-            out = assembly.advance(state, calls, assembly_cfg, now, pos)
+            out = await advance_rollout(state, now, pos)
             if out.changed:
                 put_rollout(rid, state)
             note_waiting(partition, rid, state)
@@ -490,7 +536,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                     await trace_links.send(key=link["trace_id"].encode(), value=codec.encode("trace_link", link))
                     counters["trace_links_out"] += 1
             if record_type == "span":
-                out = assembly.add_span(state, record, calls, assembly_cfg, now)
+                out = assembly.add_span(state, record, calls, assembly_cfg, now,
+                                        at=(msg.topic, msg.partition, msg.offset))
             elif record_type == "reward":
                 out = assembly.add_reward(state, record, now)
             else:
@@ -498,7 +545,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 out = assembly.add_rollout_event(state, record, now, bound)
             pos = positions[p]
             input_dead, changed = out.dead_letters, out.changed
-            out = assembly.advance(state, calls, assembly_cfg, now, pos)
+            out = await advance_rollout(state, now, pos)
             if changed or out.changed:  # a table write is a changelog record
                 put_rollout(rid, state)
             note_waiting(p, rid, state)
@@ -513,7 +560,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             rollout_index.drop(state["partition"], rid)
             return
         p = state.get("partition")
-        out = assembly.advance(state, calls, assembly_cfg, now, positions.get(p))
+        out = await advance_rollout(state, now, positions.get(p))
         if out.changed:
             put_rollout(rid, state)
             note_waiting(p, rid, state)
@@ -635,6 +682,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             waiting.pop(tp.partition, None)
             rollout_index.forget(tp.partition)
             group_index.forget(tp.partition)
+        await spans_reader.stop()
 
     @app.page("/spanrl/counters/")
     async def counters_view(web, request):
@@ -648,6 +696,10 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             "trace_links_out": counters["trace_links_out"], "trace_links_in": counters["trace_links_in"],
             "orphans_in": counters["orphans_in"], "spans_joined": counters["spans_joined"],
             "inputs_bounds_read": counters["inputs_bounds_read"], "emitted_by": dict(emitted_by),
+            # late rewards: attempts parked (this process), parked calls re-read, late emissions,
+            # and the call store's size now (what the worker holds in memory of token data)
+            "attempts_parked": counters["attempts_parked"], "spans_reread": counters["spans_reread"],
+            "late_rewards_emitted": counters["late_rewards_emitted"], "calls_held": len(calls),
         })
 
     @app.page("/metrics")
@@ -719,6 +771,11 @@ async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle,
         elif state.get("partition") == p:
             await handle(key, state, tick_now)
     return True
+
+
+def state_parked(state: dict) -> int:
+    """Parked, unfinished attempts of one rollout state (assembly's ``parked_ms``)."""
+    return sum(1 for a in state["attempts"].values() if a["done"] is None and a.get("parked_ms") is not None)
 
 
 def _record_ms(msg) -> int | None:

@@ -26,7 +26,10 @@ any order. An attempt ends, exactly once, in one of:
   the credit rule (LightningRL, arXiv 2508.03680 s3.3.2: identical credit, reward R);
   with zero selected calls -> one dead letter ``no_llm_calls`` instead.
 - **no reward**: terminal status but no final reward within ``reward_timeout_s`` of
-  the terminal event -> dead letter ``no_reward_before_timeout`` (succeeded) or
+  the terminal event -> the attempt is *parked* (late rewards, below); no final reward
+  within ``reward_window_s`` -> dead letter ``no_reward_before_window``. With
+  ``reward_window_s <= reward_timeout_s`` (no window) it is dead-lettered at
+  ``reward_timeout_s`` instead: ``no_reward_before_timeout`` (succeeded) or
   ``rollout_failed_no_reward`` (failed/timeout). We wait for failed attempts too,
   since an evaluator may score a failed run (e.g. R=0) and the reward topic is not
   ordered with the rollouts topic.
@@ -65,6 +68,28 @@ as ``facts[span_id] = [start_ns, fact, ...]``, and each call keeps its end time
 (``end_ns``); when the attempt emits, :func:`build_transitions` gives every fact span's
 reward (the credit rule's AIR rules) to the call that caused it, and the credit rule adds
 it to that call's credit (``intermediate_reward`` of the transition).
+
+Late rewards (a human rating, a slow judge: the final reward comes hours after the end).
+State fields this part keeps (other parts: leave them be):
+
+- ``calls[span_id]["at"]``: ``[topic, partition, offset]`` of the span record the call came
+  from (the claim record for a claim-checked span), given to :func:`add_span` as ``at``;
+  absent for a call added without one (such a call keeps its token data until the end).
+- ``parked_ms``: when the attempt was parked (None: not parked). Parking
+  (:func:`park`) deletes the token data of every call with an ``at`` from the store;
+  a call that arrives while parked is recorded without it.
+- ``ended_event_ms``: the ``timestamp_ms`` of the terminal lifecycle event (the
+  producer's clock), for :func:`reward_delay_ms`.
+
+When the final reward of a parked attempt comes, the app asks :func:`parked_reads`
+which spans to read again, re-reads them from the spans topic (stream_jobs/app.py,
+stream_jobs/spans_reader.py), turns each into its store value with :func:`restore_call`
+and advances with the store seen through :class:`WithRestored` (the re-read data never
+enter the store): the transitions are then exactly those an on-time reward gives, with
+``late_reward`` true and ``reward_delay_ms``; no settle wait (its spans were consumed
+long before). A selected call that could not be re-read (its record deleted by the
+topic's retention, or no longer the span it was) -> dead letter ``late_spans_missing``
+for the whole attempt (its transitions would not be those of an on-time reward).
 """
 from __future__ import annotations
 
@@ -86,6 +111,7 @@ TERMINAL = frozenset({"succeeded", "failed", "timeout"})
 EMITTED = "emitted"
 DEAD = "dead_letter"
 MAX_LINK_DEPTH = 64  # ancestors walked to find a call's agent (a cycle or a deep tree ends it)
+TRANSITION_VERSION = 2  # schemas/avro/transition.v2.avsc: reward_delay_ms, late_reward
 
 
 @dataclass(frozen=True)
@@ -166,7 +192,7 @@ def resolve_agent(call: dict, links: dict[str, list]) -> tuple[str | None, str]:
 class AssemblyConfig:
     """credit_rule: credit per call; agents: the agents whose calls train (an
     :class:`AgentSelector`; a set of names is taken as ``AgentSelector(names=...)``; None: all);
-    reward_timeout_s / rollout_timeout_s: see the module doc; max_call_bytes: a call
+    reward_timeout_s / rollout_timeout_s / reward_window_s: see the module doc; max_call_bytes: a call
     whose store value (:func:`encode_call`) is larger is dead-lettered ``oversize``
     (None: no limit; the app sets it so that its transition fits the topic)."""
 
@@ -177,6 +203,8 @@ class AssemblyConfig:
     settle_s: float = 2.0
     max_call_bytes: int | None = None
     production_idle_s: float = 300.0  # a production rollout's idle end (:func:`production_end`)
+    #: late rewards: how long after its end a parked attempt still takes its final reward
+    reward_window_s: float = 7 * 24 * 3600.0
 
     def __post_init__(self):
         if self.agents is not None and not isinstance(self.agents, AgentSelector):
@@ -191,7 +219,7 @@ class Outcome:
     dead_letters: list[dict] = field(default_factory=list)
     changed: bool = False  # the state changed and must be written back
     accounts: list[dict] = field(default_factory=list)  # call accounts of ended attempts
-    #: per emitted attempt, the rule that let it out: ``inputs_bound`` | ``settle_s``
+    #: per emitted attempt, the rule that let it out: ``inputs_bound`` | ``settle_s`` | ``late_reward``
     emitted_by: list[str] = field(default_factory=list)
 
     def extend(self, other: "Outcome") -> "Outcome":
@@ -289,12 +317,13 @@ def decode_call(data: bytes) -> dict:
 
 
 def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyConfig,
-             now_ms: int) -> Outcome:
+             now_ms: int, at: tuple[str, int, int] | None = None) -> Outcome:
     """Record one span (decoded span.v1). A call (see the module doc) is kept with its token
     data; any other span that names an agent or has a parent becomes a link of its
     attempt (until the attempt ends; a span with neither leaves no trace, ``changed``
     stays False); a bad call yields its dead letter. Which calls train is decided when
-    the attempt ends, once the links are in."""
+    the attempt ends, once the links are in. ``at``: (topic, partition, offset) of the
+    span's record, kept with the call so that a parked attempt can re-read it."""
     out = Outcome()
     rid, aid, sid = span["rollout_id"], span["attempt_id"], span["span_id"]
     if span.get("kind") != "llm" or (span.get("source") != "proxy" and not span.get("llm")):
@@ -347,7 +376,10 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         return out
     a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name"),
                        "parent": span.get("parent_span_id"), "end_ns": span.get("end_time_unix_nano")}
-    store[store_key(rid, aid, sid)] = value
+    if at is not None:
+        a["calls"][sid]["at"] = list(at)
+    if at is None or a.get("parked_ms") is None:  # a parked attempt holds no token data
+        store[store_key(rid, aid, sid)] = value
     return out
 
 
@@ -389,6 +421,7 @@ def add_rollout_event(state: dict, event: dict, now_ms: int,
         a["status"] = status
         if status in TERMINAL:
             a["ended_ms"] = now_ms
+            a["ended_event_ms"] = event.get("timestamp_ms")
             a["error"] = event.get("error")
             if event.get("inputs_acked") and inputs_bound is not None:
                 a["inputs_bound"] = {role: int(o) for role, o in sorted(inputs_bound.items())}
@@ -455,7 +488,7 @@ def awaiting_inputs(state: dict) -> dict[str, int] | None:
     need: dict[str, int] = {}
     for a in state["attempts"].values():
         bound = a.get("inputs_bound")
-        if a["done"] is None and bound and a["status"] in TERMINAL:
+        if a["done"] is None and bound and a["status"] in TERMINAL and a.get("parked_ms") is None:
             for role, end in bound.items():
                 need[role] = max(end, need.get(role, end))
     return need or None
@@ -521,11 +554,27 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
     except InvalidReward as exc:  # add_reward already filters these; kept for safety
         return dead(dl.INVALID_REWARD, str(exc))
     if R is None:
-        if now_ms - a["ended_ms"] >= config.reward_timeout_s * 1000:
+        wait = no_reward_wait(now_ms - a["ended_ms"], config, a["status"])
+        if wait == "timeout":
             reason = dl.NO_REWARD_BEFORE_TIMEOUT if a["status"] == "succeeded" else dl.ROLLOUT_FAILED_NO_REWARD
             return dead(reason, f"status {a['status']}, no final reward within "
                         f"{config.reward_timeout_s:g}s; {len(a['calls'])} llm calls dropped")
+        if wait == "window":
+            return dead(dl.NO_REWARD_BEFORE_WINDOW, f"status {a['status']}, no final reward within "
+                        f"{config.reward_window_s:g}s (the reward window); {len(a['calls'])} llm calls dropped")
+        if wait == "park" and a.get("parked_ms") is None:
+            park(rid, aid, a, store, now_ms)
+            out.changed = True
         return out
+    if a.get("parked_ms") is not None:  # a late reward: no settle wait, the spans came long ago
+        chosen = selected_calls(a, config.agents)
+        missing = [sid for sid in chosen if store_key(rid, aid, sid) not in store]
+        if missing:
+            delay = reward_delay_ms(a)
+            return dead(dl.LATE_SPANS_MISSING, f"final reward {'late' if delay is None else f'{delay} ms after the end'}, but "
+                        f"{len(missing)} of {len(chosen)} parked calls could not be re-read from spans "
+                        f"(deleted by retention, or no longer the span recorded): {', '.join(missing[:8])}")
+        return _emit(rid, aid, a, R, store, config, now_ms, out, dead, "late_reward")
     if a["ready_ms"] is None:
         a["ready_ms"] = now_ms
         out.changed = True
@@ -534,6 +583,13 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
         return out  # some of its spans/rewards may be unread yet: never emit early
     if consumed is None and now_ms - a["ready_ms"] < config.settle_s * 1000:
         return out
+    return _emit(rid, aid, a, R, store, config, now_ms, out, dead, "inputs_bound" if consumed else "settle_s")
+
+
+def _emit(rid: str, aid: str, a: dict, R: float, store: MutableMapping, config: AssemblyConfig,
+          now_ms: int, out: Outcome, dead, rule: str) -> Outcome:
+    """The end of an attempt with return R: its transitions (or ``no_llm_calls``); ``rule``:
+    what let it out (``inputs_bound`` | ``settle_s`` | ``late_reward``, :attr:`Outcome.emitted_by`)."""
     resolved = resolved_agents(a)
     chosen = selected_calls(a, config.agents, resolved)
     if not chosen:
@@ -542,11 +598,127 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
                     + (f" ({excluded} calls of agents not selected by {describe_selection(config.agents)})"
                        if excluded else ""))
     out.transitions = build_transitions(rid, aid, a, R, store, config.credit_rule, chosen, resolved)
+    mark_late(out.transitions, a)
     out.accounts.append(call_account(rid, aid, a, EMITTED, frozenset(chosen), config, now_ms, resolved))
-    out.emitted_by.append("inputs_bound" if consumed else "settle_s")
+    out.emitted_by.append(rule)
     out.changed = True
     _finish(rid, aid, a, store, EMITTED, now_ms)
     return out
+
+
+def no_reward_wait(waited_ms: int, config: AssemblyConfig, status: str = "succeeded") -> str:
+    """What an ended attempt without a final reward, ``waited_ms`` after its terminal event,
+    does: ``"wait"`` (< reward_timeout_s), ``"park"`` (reward_timeout_s <= waited <
+    reward_window_s: token data out of the store, spans re-read if the reward comes),
+    ``"window"`` (>= reward_window_s: dead letter ``no_reward_before_window``); with
+    ``reward_window_s <= reward_timeout_s`` (no window) ``"timeout"`` at reward_timeout_s
+    (the dead letters before late rewards). Only a ``succeeded`` attempt is parked: a failed
+    or timed-out one that no evaluator scored within reward_timeout_s is dead-lettered then
+    (``rollout_failed_no_reward``), as before late rewards: a rating comes for an episode
+    that completed, and a run's accounting should not wait a week for its failures. Pure."""
+    if config.reward_window_s <= config.reward_timeout_s or status != "succeeded":
+        return "timeout" if waited_ms >= config.reward_timeout_s * 1000 else "wait"
+    if waited_ms >= config.reward_window_s * 1000:
+        return "window"
+    return "park" if waited_ms >= config.reward_timeout_s * 1000 else "wait"
+
+
+def park(rid: str, aid: str, a: dict, store: MutableMapping, now_ms: int) -> None:
+    """Park an attempt: delete from ``store`` the token data of every call that knows its
+    span's position (``at``); the state keeps the calls' metadata and positions."""
+    a["parked_ms"] = now_ms
+    for sid, call in a["calls"].items():
+        if call.get("at") is not None:
+            store.pop(store_key(rid, aid, sid), None)
+
+
+def parked_reads(state: dict, store: MutableMapping, config: AssemblyConfig) -> dict[str, list[tuple[str, list]]]:
+    """The spans to re-read before :func:`advance`: attempt_id -> [(span_id, [topic, partition,
+    offset]), ...] (call order) of every parked, unfinished attempt that has a final reward
+    now, for its selected calls whose token data are not in ``store``. Empty almost always."""
+    wanted: dict[str, list[tuple[str, list]]] = {}
+    rid = state["rollout_id"]
+    for aid, a in sorted(state["attempts"].items()):
+        if a["done"] is not None or a.get("parked_ms") is None:
+            continue
+        try:
+            if episode_return(a["rewards"]) is None:
+                continue
+        except InvalidReward:
+            continue
+        reads = [(sid, a["calls"][sid]["at"]) for sid in selected_calls(a, config.agents)
+                 if store_key(rid, aid, sid) not in store and a["calls"][sid].get("at") is not None]
+        if reads:
+            wanted[aid] = reads
+    return wanted
+
+
+def restore_call(rid: str, aid: str, sid: str, span: dict) -> bytes | None:
+    """The store value (:func:`encode_call`) of call ``sid`` of attempt ``aid`` from its
+    re-read span (decoded span.v1, claim resolved): the same bytes :func:`add_span` stored.
+    None when the record is not that call (another rollout, attempt or span id, or no usable
+    token data), so the caller counts it missing."""
+    if (span.get("rollout_id"), span.get("attempt_id"), span.get("span_id")) != (rid, aid, sid):
+        return None
+    llm = span.get("llm")
+    if not llm or not llm.get("completion_token_ids") or \
+            len(llm.get("completion_logprobs") or []) != len(llm["completion_token_ids"]):
+        return None
+    try:
+        return encode_call(llm)
+    except OverflowError:
+        return None
+
+
+class WithRestored(MutableMapping):
+    """``store`` seen with the re-read calls ``restored`` (store key -> value) in front: reads
+    find ``restored`` first, deletes remove from both, writes go to ``store``. What the app
+    passes to :func:`advance` while it handles a late reward, so that the re-read token data
+    never enter the store (a Faust table and its changelog)."""
+
+    def __init__(self, store: MutableMapping, restored: dict):
+        self.store, self.restored = store, restored
+
+    def __getitem__(self, key):
+        return self.restored[key] if key in self.restored else self.store[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.restored or key in self.store
+
+    def __setitem__(self, key, value) -> None:
+        self.store[key] = value
+
+    def __delitem__(self, key) -> None:
+        found = self.restored.pop(key, None) is not None
+        if key in self.store:
+            del self.store[key]
+        elif not found:
+            raise KeyError(key)
+
+    def __iter__(self):
+        yield from self.restored
+        yield from (k for k in self.store if k not in self.restored)
+
+    def __len__(self) -> int:
+        return len(self.restored) + sum(1 for k in self.store if k not in self.restored)
+
+
+def reward_delay_ms(a: dict) -> int | None:
+    """How late the final reward R (the last ``final`` reward event) came: its ``timestamp_ms``
+    minus the terminal lifecycle event's, both as their producers stamped them (so a replay
+    records the same value), 0 if the reward was stamped first; None when either is unknown."""
+    finals = [e for e in a["rewards"] if e.get("final", True)]
+    end = a.get("ended_event_ms")
+    if not finals or end is None or finals[-1].get("timestamp_ms") is None:
+        return None
+    return max(0, int(finals[-1]["timestamp_ms"]) - int(end))
+
+
+def mark_late(transitions: list[dict], a: dict) -> None:
+    """Set the late-reward fields of transition v2 on an attempt's transitions."""
+    late, delay = a.get("parked_ms") is not None, reward_delay_ms(a)
+    for t in transitions:
+        t.update(schema_version=TRANSITION_VERSION, reward_delay_ms=delay, late_reward=late)
 
 
 def resolved_agents(a: dict) -> dict[str, tuple[str | None, str]]:
@@ -644,6 +816,19 @@ def expires_at(state: dict, retain_s: float) -> int | None:
     if not attempts or any(a["done"] is None for a in attempts):
         return None
     return max(a["done_ms"] for a in attempts) + int(retain_s * 1000)
+
+
+def tick_due(state: dict, config: AssemblyConfig, retain_s: float) -> int | None:
+    """When a tick next has something to do for this state (ms), for the app's tick index
+    (stream_jobs/ticking.py): None (every tick) while an attempt is open and not parked; when
+    every open attempt is parked, the earliest end of their reward windows (a late reward is an
+    input, handled when it comes); when all are done, :func:`expires_at`."""
+    open_ = [a for a in state["attempts"].values() if a["done"] is None]
+    if not open_:
+        return expires_at(state, retain_s)
+    if any(a.get("parked_ms") is None for a in open_):
+        return None
+    return min(a["ended_ms"] for a in open_) + int(config.reward_window_s * 1000)
 
 
 def expired(state: dict, now_ms: int, retain_s: float) -> bool:

@@ -26,6 +26,20 @@ The open group of a task closes when ``group_size`` distinct rollouts are comple
   re-reads inputs whose state changes were already committed) -> nothing.
 
 The next transition of the task opens a new group (the runner may run a task again).
+
+Late members (rewards that come at different times; stream_jobs/README.md, "Grouping when
+rewards come late"). A group never waits for a late reward: it closes as above (waiting
+would hold every sibling's transitions for up to the reward window and stall training). A
+group that closed *short* (fewer members than ``group_size``) is remembered for
+``late_join_s`` as ``state["last_closed"]`` = {group_id, closed_ms, group_size, returns}
+(returns only, no transitions). A transition with ``late_reward`` (its attempt was parked,
+stream_jobs/assembly.py) that comes while the task has no open group joins that group
+late: it waits in ``state["late"][rollout|attempt]`` until its rollout is complete, then
+its samples get :func:`late_member_advantage` against the returns of the group so far
+(members and earlier late members), the group's id, and ``group_rollouts`` /
+``group_mean`` / ``group_std`` of the group with it; the earlier members' samples are not
+changed (they are trained already). A late member still incomplete ``group_timeout_s``
+after its first transition -> ``group_incomplete``. Any other transition is handled as above.
 """
 from __future__ import annotations
 
@@ -36,14 +50,18 @@ from spanrl.schemas import codec
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import grpo_advantages, group_stats
 
+SAMPLE_VERSION = 2  # schemas/avro/sample.v2.avsc (a transition v2 inside)
 RECENT_CLOSED_MAX = 1024
 RECENT_CLOSED_SPANS_MAX = 4096
 
 
 @dataclass(frozen=True)
 class GroupingConfig:
+    """late_join_s: how long a short closed group takes late members (the app: the reward window)."""
+
     group_timeout_s: float = 120.0
     eps: float = 1e-6
+    late_join_s: float = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -77,6 +95,9 @@ def add_transition(state: dict, transition: dict, store: MutableMapping,
     if rid in state["recent_closed"]:
         return GroupOutcome(dead_letters=[_dead(dl.GROUP_CLOSED, transition, now_ms,
                                                 "its group already closed")])
+    if f"{rid}|{aid}" in state.get("late", {}) or (
+            state["open"] is None and transition.get("late_reward") and late_group(state, config, now_ms)):
+        return add_late_member(state, transition, store, config, now_ms)
     g = state["open"]
     if g is None:
         g = state["open"] = {"opened_ms": now_ms, "group_size": max(1, int(transition["group_size"])),
@@ -97,11 +118,73 @@ def add_transition(state: dict, transition: dict, store: MutableMapping,
 
 
 def advance(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: int) -> GroupOutcome:
-    """Close the open group if it has been open ``group_timeout_s`` or longer."""
+    """Close the open group if it has been open ``group_timeout_s`` or longer; dead-letter
+    late members incomplete that long."""
+    out = GroupOutcome()
+    for key in sorted(state.get("late", {})):
+        m = state["late"][key]
+        if now_ms - m["first_ms"] >= config.group_timeout_s * 1000:
+            for s in m["spans"]:
+                out.dead_letters.append(_dead(dl.GROUP_INCOMPLETE, store.pop(store_key(
+                    state["task_id"], m["rollout_id"], m["attempt_id"], s)), now_ms,
+                    f"late member: {len(m['spans'])}/{m['count']} transitions in {config.group_timeout_s:g}s"))
+            del state["late"][key]
     g = state["open"]
     if g is not None and now_ms - g["opened_ms"] >= config.group_timeout_s * 1000:
-        return close(state, store, config, now_ms)
-    return GroupOutcome()
+        closed = close(state, store, config, now_ms)
+        out.samples += closed.samples
+        out.dead_letters += closed.dead_letters
+    return out
+
+
+def late_member_advantage(group_returns: list[float], R: float, eps: float = 1e-6) -> float:
+    """GRPO advantage of a late member with return R whose group already has ``group_returns``:
+    A = (R - mean(G)) / (std(G) + eps) over G = group_returns + [R] (DeepSeekMath, arXiv
+    2402.03300 s4.1.2; population std as :func:`spanrl.stream_jobs.credit.grpo_advantages`).
+    The advantage it would have had in the group had its reward come in time, the others
+    unchanged. Raises ValueError for an empty ``group_returns`` (no group to join)."""
+    if not group_returns:
+        raise ValueError("a late member needs a group with at least one member")
+    return grpo_advantages([*group_returns, R], eps)[-1]
+
+
+def late_group(state: dict, config: GroupingConfig, now_ms: int) -> dict | None:
+    """The task's short closed group a late member may join now (``late_join_s``), or None."""
+    g = state.get("last_closed")
+    if g is None or now_ms - g["closed_ms"] >= config.late_join_s * 1000:
+        return None
+    return g
+
+
+def add_late_member(state: dict, transition: dict, store: MutableMapping, config: GroupingConfig,
+                    now_ms: int) -> GroupOutcome:
+    """Add a transition of a late member; its samples once its rollout is complete."""
+    tid, rid, aid, sid = (transition["task_id"], transition["rollout_id"],
+                          transition["attempt_id"], transition["span_id"])
+    key = f"{rid}|{aid}"
+    m = state.setdefault("late", {}).setdefault(key, {
+        "rollout_id": rid, "attempt_id": aid, "count": int(transition["rollout_transition_count"]),
+        "spans": [], "episode_return": float(transition["episode_return"]), "first_ms": now_ms})
+    if sid in m["spans"]:
+        return GroupOutcome()
+    m["spans"].append(sid)
+    store[store_key(tid, rid, aid, sid)] = transition
+    if len(m["spans"]) < m["count"]:
+        return GroupOutcome()
+    out = GroupOutcome()
+    g = state["last_closed"]
+    returns = [*g["returns"], m["episode_return"]]
+    adv = late_member_advantage(g["returns"], m["episode_return"], config.eps)
+    mean, std = group_stats(returns)
+    calls = [store.pop(store_key(tid, rid, aid, s)) for s in m["spans"]]
+    for tr in sorted(calls, key=lambda t: t["call_index"]):
+        out.samples.append({"schema_version": SAMPLE_VERSION, "transition": tr, "advantage": adv, "group_id": g["group_id"],
+                            "group_rollouts": len(returns), "group_mean": mean, "group_std": std})
+    g["returns"] = returns
+    del state["late"][key]
+    state["recent_closed"] = (state["recent_closed"] + [rid])[-RECENT_CLOSED_MAX:]
+    state["closed_spans"] = (state.get("closed_spans", []) + sorted(m["spans"]))[-RECENT_CLOSED_SPANS_MAX:]
+    return out
 
 
 def _complete_rollouts(g: dict) -> dict[str, dict]:
@@ -130,6 +213,9 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
         mean, std = group_stats(returns)
         group_id = f"{tid}/{state['closed_groups']}"
         state["closed_groups"] += 1
+        # a short group takes late members (module doc); a full one, or none, does not
+        state["last_closed"] = None if len(members) >= g["group_size"] else {
+            "group_id": group_id, "closed_ms": now_ms, "group_size": g["group_size"], "returns": returns}
         for m, adv in zip(members, advantages):
             calls = [store[store_key(tid, m["rollout_id"], m["attempt_id"], s)] for s in m["spans"]]
             for tr in sorted(calls, key=lambda t: t["call_index"]):

@@ -13,7 +13,10 @@ Runs ``python -m spanrl.stream_jobs.app worker`` as a subprocess on private topi
 - a real ``openai`` client instrumented only by OpenInference's OpenAI instrumentor (a plain
   TracerProvider exporting to the bridge, no spanrl rollout context) calling the proxy
   (``python -m spanrl.producers.proxy``, the stack's vLLM behind it): its spans join the call's
-  rollout by trace id, one transition, and a trace without a proxy call ends ``no_rollout_id``.
+  rollout by trace id, one transition, and a trace without a proxy call ends ``no_rollout_id``;
+- late rewards: attempts parked after a 2 s reward timeout (token data out of the calls
+  table), a reward that comes later re-reads the spans (a claim among them), a span deleted
+  meanwhile -> ``late_spans_missing``, no reward within the window -> ``no_reward_before_window``.
 """
 from __future__ import annotations
 
@@ -231,7 +234,8 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
                         # the test's spans have no trace parent: no trace links, nothing joined
                         "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0,
                         # no terminal event says inputs_acked: all let out by the settle time
-                        "inputs_bounds_read": 0, "emitted_by": {"settle_s": 4}}
+                        "inputs_bounds_read": 0, "emitted_by": {"settle_s": 4},
+                        "attempts_parked": 0, "spans_reread": 0, "late_rewards_emitted": 0, "calls_held": 0}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
@@ -664,3 +668,127 @@ def test_acked_terminal_event_is_emitted_without_the_settle_wait(tmp_path, kafka
     assert [t["rollout_id"] for t in more["transitions"]] == ["rfast"] * 3, log
     assert counters["inputs_bounds_read"] == 1 and counters["transitions_out"] == 3, counters
     assert counters["emitted_by"] == {"inputs_bound": 1}, counters
+
+
+def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_minio, settings):
+    """Late rewards (stream_jobs/assembly.py): a worker with SPANRL_REWARD_TIMEOUT_S=2 parks
+    three ended attempts without a reward (their token data leave the calls table: tombstones
+    on its changelog, calls_held 0); then rlate's reward comes: its spans are re-read from
+    the spans topic (one of them a claim record, resolved from MinIO again) and its
+    transitions carry the spans' token ids, late_reward and reward_delay_ms; rgone's span
+    was deleted meanwhile (DeleteRecords, what retention does) -> late_spans_missing;
+    rnever gets no reward within SPANRL_REWARD_WINDOW_S -> no_reward_before_window."""
+    from aiokafka.structs import TopicPartition
+
+    suffix = uuid.uuid4().hex[:8]
+    names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
+    asyncio.run(_admin("create", names))
+    minio = claims.make_client(settings)
+    spans = {"rgone": _span("rgone", 0, "g0", prompt=(9,), completion=(9, 9)),
+             "rlate0": _span("rlate", 0, "l0", prompt=(1, 2, 3), completion=(4, 5)),
+             "rlate1": _span("rlate", 1, "l1", prompt=tuple(range(100, 140)), completion=(6, 7, 8)),
+             "rnever": _span("rnever", 0, "n0")}
+    full = codec.encode("span", spans["rlate1"])
+    claim_key = claims.content_key(names["spans"], "rlate", full)
+    minio.put_object(settings.payload_bucket, claim_key, io.BytesIO(full), len(full))
+    claim = codec.encode("span", claims.claim_span(spans["rlate1"], f"s3://{settings.payload_bucket}/{claim_key}"))
+
+    def event(rid, status):
+        return codec.encode("rollout", {"rollout_id": rid, "attempt_id": "a0", "task_id": f"task-{rid}",
+                                        "status": status, "group_size": 1, "timestamp_ms": int(time.time() * 1000)})
+
+    async def produce(records):
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+        await producer.start()
+        try:
+            return [await producer.send_and_wait(t, v, key=k.encode()) for t, k, v in records]
+        finally:
+            await producer.stop()
+
+    async def changelog(topic):
+        consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap, group_id=None,
+                                    auto_offset_reset="earliest", isolation_level="read_committed",
+                                    max_partition_fetch_bytes=8 << 20)
+        await consumer.start()
+        try:
+            rows = []
+            for _ in range(6):
+                for msgs in (await consumer.getmany(timeout_ms=500)).values():
+                    rows += [(json.loads(m.key), m.value) for m in msgs]  # str keys: JSON
+            return rows
+        finally:
+            await consumer.stop()
+
+    web_port = _free_port()
+    worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", SPANRL_REWARD_TIMEOUT_S="2",
+                           SPANRL_REWARD_WINDOW_S="25")
+    try:
+        _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
+        sp = names["spans"]
+        [gone, *_] = asyncio.run(produce([
+            (sp, "rgone", codec.encode("span", spans["rgone"])), (sp, "rlate", codec.encode("span", spans["rlate0"])),
+            (sp, "rlate", claim), (sp, "rnever", codec.encode("span", spans["rnever"]))]
+            + [(names["rollouts"], rid, event(rid, s)) for rid in ("rgone", "rlate", "rnever")
+               for s in ("started", "failed" if rid == "rnever" else "succeeded")]))
+        ended_ms = int(time.time() * 1000)
+        deadline = time.monotonic() + 40
+        while _counters(web_port)["attempts_parked"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        parked = _counters(web_port)
+        held = asyncio.run(changelog(f"{app_id}-calls-changelog"))
+        asyncio.run(_delete_records(TopicPartition(sp, gone.partition), gone.offset + 1))
+        reward_ms = int(time.time() * 1000)
+        asyncio.run(produce([(names["rewards"], rid, codec.encode("reward", {
+            "rollout_id": rid, "attempt_id": "a0", "value": 0.75, "final": True, "timestamp_ms": reward_ms}))
+            for rid in ("rlate", "rgone")]))
+        got = asyncio.run(_read(names, ("transitions", "samples", "dead-letter"),
+                                lambda g: len(g["samples"]) >= 2 and len(g["dead-letter"]) >= 2, 60))
+        counters = _counters(web_port)
+    finally:
+        _stop_private(worker, names, app_id)
+        minio.remove_object(settings.payload_bucket, claim_key)
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+
+    # parked: no token data held; each call's store entry was written, then deleted (a tombstone)
+    assert (parked["attempts_parked"], parked["calls_held"]) == (3, 0), (parked, worker_log)
+    last = {}
+    for key, value in held:
+        last.setdefault(key, []).append(value)
+    assert {k: [v is None for v in vs] for k, vs in last.items()} == {
+        f"{rid}|a0|{sid}": [False, True] for rid, sid in (("rgone", "g0"), ("rlate", "l0"), ("rlate", "l1"),
+                                                         ("rnever", "n0"))}
+
+    # the late reward: transitions exactly from the spans (the claim resolved again), marked late
+    trs = sorted(got["transitions"], key=lambda t: t["call_index"])
+    assert [(t["rollout_id"], t["span_id"], t["prompt_token_ids"], t["completion_token_ids"], t["reward"])
+            for t in trs] == [("rlate", sid, spans[k]["llm"]["prompt_token_ids"],
+                               spans[k]["llm"]["completion_token_ids"], 0.75)
+                              for sid, k in (("l0", "rlate0"), ("l1", "rlate1"))], (got, worker_log)
+    assert all(t["behaviour_logprobs"] == [-0.5] * len(t["completion_token_ids"]) for t in trs)
+    assert all(t["late_reward"] and 2000 <= t["reward_delay_ms"] <= reward_ms - ended_ms + 1000 for t in trs)
+    assert sorted(s["transition"]["span_id"] for s in got["samples"]) == ["l0", "l1"]
+    assert {(s["group_id"], s["advantage"]) for s in got["samples"]} == {("task-rlate/0", 0.0)}
+    dead = sorted((d["rollout_id"], d["reason"]) for d in got["dead-letter"])
+    assert dead == [("rgone", "late_spans_missing"), ("rnever", "no_reward_before_window")], got["dead-letter"]
+    assert (counters["spans_reread"], counters["late_rewards_emitted"], counters["transitions_out"]) == (2, 1, 2)
+
+
+def _stop_private(worker: subprocess.Popen, names: dict, app_id: str) -> None:
+    """Stop a private worker and delete its topics (best effort)."""
+    stop_process_group(worker, grace_s=15)
+    try:
+        asyncio.run(_admin("delete", names, app_id))
+    except Exception:
+        pass
+
+
+async def _delete_records(tp, before: int) -> None:
+    """Delete ``tp``'s records before offset ``before`` (the log start moves, as retention moves it)."""
+    from aiokafka.admin import RecordsToDelete
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=get_settings().kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_records({tp: RecordsToDelete(before_offset=before)})
+    finally:
+        await admin.close()

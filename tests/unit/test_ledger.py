@@ -85,3 +85,18 @@ def test_advantage_recomputed_per_group():
     assert a[0] == pytest.approx(-1.2247, abs=1e-4)
     bad = [sample(ta, "t/0", a[0]), sample(tb, "t/0", a[1]), sample(tc, "t/1", 0.0)]  # tc alone in its group
     assert advantage_mismatches(bad) == 2  # ta, tb now form a 2-member group: advantages -1, +1
+
+
+def test_late_members_are_recomputed_against_the_group_before_them():
+    """Returns 0 and .25 closed the group (2 rollouts); .5 joined late (3), then 1.0 (4)."""
+    ta, tb, tc = transition(RA, "1" * 16), transition(RB, "2" * 16), transition(RC, "3" * 16)
+    td = transition("0004" + "0" * 28, "4" * 16)
+    on_time = grpo_advantages([0.0, 0.25])
+    late_c = grpo_advantages([0.0, 0.25, 0.5])[-1]
+    late_d = grpo_advantages([0.0, 0.25, 0.5, 1.0])[-1]
+    good = [{**sample(ta, "t/0", on_time[0]), "group_rollouts": 2}, {**sample(tb, "t/0", on_time[1]), "group_rollouts": 2},
+            {**sample(tc, "t/0", late_c), "group_rollouts": 3}, {**sample(td, "t/0", late_d), "group_rollouts": 4}]
+    assert advantage_mismatches(good) == 0
+    assert late_c == pytest.approx(1.2247, abs=1e-4) and late_d == pytest.approx(1.5213, abs=1e-4)
+    # recomputed over all four as one group, the on-time members' advantages would differ
+    assert advantage_mismatches([{**s, "group_rollouts": 4} for s in good]) == 3

@@ -1,3 +1,4 @@
+import dataclasses
 """Production rollouts (agents no runner launched): the proxy's header rule, the assembler's
 begin/end, the trainer's advantage for a group of one."""
 import pytest
@@ -75,19 +76,19 @@ def reward(value, final=True):
     return {"rollout_id": "chat-1", "attempt_id": "0", "value": value, "final": final, "timestamp_ms": 1}
 
 
-def run(events, until_s):
+def run(events, until_s, cfg=CFG):
     """Feed (t_seconds, kind, record) events, with a tick every second up to until_s."""
     state, store, out = assembly.new_state("chat-1"), {}, assembly.Outcome()
     ticks = [(t, "tick", None) for t in range(int(until_s) + 1)]
     for t, kind, rec in sorted(events + ticks, key=lambda e: (e[0], e[1] == "tick")):
         now = int(t * S)
         if kind == "span":
-            out.extend(assembly.add_span(state, rec, store, CFG, now))
+            out.extend(assembly.add_span(state, rec, store, cfg, now))
         elif kind == "reward":
             out.extend(assembly.add_reward(state, rec, now))
         elif kind == "life":
             out.extend(assembly.add_rollout_event(state, rec, now))
-        out.extend(assembly.advance(state, store, CFG, now))
+        out.extend(assembly.advance(state, store, cfg, now))
     return out, state, store
 
 
@@ -120,8 +121,12 @@ def test_idle_ends_it_then_a_reward_within_reward_timeout_still_trains():
     assert (a["done"], a["done_ms"]) == ("emitted", 42 * S)
 
 
-def test_idle_end_without_reward_is_dead_lettered_no_reward_before_timeout():
-    out, state, _ = run([(0, "span", call("c0", 0))], until_s=45)  # idle end at 30, reward timeout at 40
+def test_idle_end_without_reward_parks_then_without_a_window_is_dead_lettered():
+    out, state, _ = run([(0, "span", call("c0", 0))], until_s=45)
+    assert out.transitions == [] and out.dead_letters == []  # idle end at 30, parked at 40 (late rewards)
+    assert state["attempts"]["0"]["parked_ms"] == 40 * S
+    no_window = dataclasses.replace(CFG, reward_window_s=0)
+    out, state, _ = run([(0, "span", call("c0", 0))], until_s=45, cfg=no_window)
     assert out.transitions == []
     assert [(d["reason"], d["rollout_id"], d["task_id"]) for d in out.dead_letters] == [
         ("no_reward_before_timeout", "chat-1", "faq")]

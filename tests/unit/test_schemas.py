@@ -59,9 +59,11 @@ def _close(a, b):
 
 
 #: record types whose newest schema is past v1, and the fields that version added (with defaults)
+LATE_DEFAULTS = {"reward_delay_ms": None, "late_reward": False}
 AIR_DEFAULTS = {"intermediate_reward": 0.0, "air_rules": ""}
-NEWER = {"checkpoint": (2, {"event": "published", "detail": None}), "transition": (2, AIR_DEFAULTS),
-         "sample": (2, {}), "rollout": (2, {"inputs_acked": False})}
+NEWER = {"checkpoint": (2, {"event": "published", "detail": None}),
+         "transition": (2, {**AIR_DEFAULTS, **LATE_DEFAULTS}), "sample": (2, {}),
+         "rollout": (2, {"inputs_acked": False})}
 
 
 @pytest.mark.parametrize("record_type", sorted(RECORDS))
@@ -72,10 +74,38 @@ def test_round_trip(record_type):
     back = decode(record_type, data)
     assert back["schema_version"] == version
     back.pop("schema_version")
+    expected = {**RECORDS[record_type], **added}
     if record_type == "sample":
-        assert back["transition"].pop("schema_version") == 2
-        added = {"transition": {**TRANSITION, **AIR_DEFAULTS}}
-    assert _close({**RECORDS[record_type], **added}, back)
+        back["transition"].pop("schema_version")  # the embedded record's own field
+        expected["transition"] = {**TRANSITION, **NEWER["transition"][1]}
+    assert _close(expected, back)
+
+
+def _v1_registry(tmp_path) -> SchemaRegistry:
+    """The schemas as they were before any v2 of the record types (what old data was written with)."""
+    for f in codec.AVRO_DIR.glob("*.v1.avsc"):
+        shutil.copy(f, tmp_path / f.name)
+    return SchemaRegistry(tmp_path)
+
+
+def test_v1_transitions_and_samples_read_with_late_reward_defaults(tmp_path):
+    """Transitions and samples written before late rewards (v1, a sample holding a v1
+    transition) read as on time with an unknown delay; a v1 writer schema stays v1 inside."""
+    old = _v1_registry(tmp_path)
+    tr = decode("transition", old.encode("transition", TRANSITION))
+    assert (tr["schema_version"], tr["reward_delay_ms"], tr["late_reward"]) == (1, None, False)
+    assert _close({**TRANSITION, **LATE_DEFAULTS, **AIR_DEFAULTS},
+                  {k: v for k, v in tr.items() if k != "schema_version"})
+    old_sample = old.encode("sample", RECORDS["sample"])
+    assert old_sample == encode("sample", RECORDS["sample"], version=1)  # sample v1 keeps transition v1
+    back = decode("sample", old_sample)
+    assert back["schema_version"] == 1 and back["advantage"] == 0.5
+    assert (back["transition"]["reward_delay_ms"], back["transition"]["late_reward"]) == (None, False)
+    assert back["transition"]["completion_token_ids"] == [4, 5]
+    late = decode("sample", encode("sample", {**RECORDS["sample"], "transition": {
+        **TRANSITION, "reward_delay_ms": 7_200_000, "late_reward": True}}))
+    assert (late["schema_version"], late["transition"]["reward_delay_ms"], late["transition"]["late_reward"]) == (
+        2, 7_200_000, True)
 
 
 def test_v1_transitions_and_samples_read_with_air_defaults():

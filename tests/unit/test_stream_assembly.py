@@ -8,6 +8,8 @@ from spanrl.stream_jobs.credit import parse_credit_rule
 
 S = 1000  # ms per second
 CFG = assembly.AssemblyConfig(reward_timeout_s=10, rollout_timeout_s=100, settle_s=2)
+#: no late-reward window: an ended attempt without a final reward is dead-lettered at reward_timeout_s
+NO_WINDOW = assembly.AssemblyConfig(reward_timeout_s=10, rollout_timeout_s=100, settle_s=2, reward_window_s=0)
 
 def span(sid, seq, kind="llm", agent="solver", completion=(5, 6), llm=True, attempt="a0", source="proxy"):
     return {"rollout_id": "r1", "attempt_id": attempt, "sequence_id": seq, "span_id": sid, "kind": kind,
@@ -138,15 +140,15 @@ def test_no_llm_calls():
     assert out.transitions == [] and [d["reason"] for d in out.dead_letters] == ["no_llm_calls"]
 
 def test_succeeded_without_reward_times_out():
-    out, _, store = run([(0, "span", span("a", 1)), (0, "life", lifecycle("succeeded"))], until_s=9.9)
+    out, _, store = run([(0, "span", span("a", 1)), (0, "life", lifecycle("succeeded"))], NO_WINDOW, until_s=9.9)
     assert out.dead_letters == []
-    out, _, store = run([(0, "span", span("a", 1)), (0, "life", lifecycle("succeeded"))], until_s=10)
+    out, _, store = run([(0, "span", span("a", 1)), (0, "life", lifecycle("succeeded"))], NO_WINDOW, until_s=10)
     assert [d["reason"] for d in out.dead_letters] == ["no_reward_before_timeout"]
     assert out.dead_letters[0]["rollout_id"] == "r1" and out.dead_letters[0]["task_id"] == "t1"
     assert store == {}
 
 def test_failed_without_reward_and_failed_with_reward():
-    out, _, _ = run([(0, "span", span("a", 1)), (0, "life", lifecycle("failed"))])
+    out, _, _ = run([(0, "span", span("a", 1)), (0, "life", lifecycle("failed"))], NO_WINDOW)
     assert [d["reason"] for d in out.dead_letters] == ["rollout_failed_no_reward"]
     out, _, _ = run([(0, "span", span("a", 1)), (0, "life", lifecycle("timeout")), (1, "reward", reward(0.0))])
     assert [(t["status"], t["reward"]) for t in out.transitions] == [("timeout", 0.0)]
@@ -168,7 +170,7 @@ def test_invalid_reward():
 def test_attempts_are_assembled_separately():
     out, _, _ = run([(0, "span", span("a", 1, attempt="a0")), (0, "life", lifecycle("failed", "a0")),
                      (0, "span", span("b", 1, attempt="a1")), (0, "life", lifecycle("succeeded", "a1")),
-                     (0, "reward", reward(1.0, attempt="a1"))])
+                     (0, "reward", reward(1.0, attempt="a1"))], NO_WINDOW)
     assert [(t["attempt_id"], t["span_id"]) for t in out.transitions] == [("a1", "b")]
     assert [d["reason"] for d in out.dead_letters] == ["rollout_failed_no_reward"]
 
@@ -445,7 +447,8 @@ def test_bound_is_ignored_without_inputs_acked_and_reward_still_required():
     assembly.add_span(s2, span("a", 1), st2, CFG, 0)
     assembly.add_rollout_event(s2, acked(), 0, inputs_bound={"spans": 1, "rewards": 0})
     assert assembly.advance(s2, st2, CFG, 1 * S, {"spans": 1, "rewards": 0}).transitions == []
-    out = assembly.advance(s2, st2, CFG, 10 * S, {"spans": 1, "rewards": 0})
+    no_window = assembly.AssemblyConfig(reward_timeout_s=10, rollout_timeout_s=100, settle_s=2, reward_window_s=0)
+    out = assembly.advance(s2, st2, no_window, 10 * S, {"spans": 1, "rewards": 0})
     assert [d["reason"] for d in out.dead_letters] == ["no_reward_before_timeout"]
 # ---- AIR: intermediate rewards from span facts ---------------------------------------
 

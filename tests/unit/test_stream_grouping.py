@@ -1,3 +1,5 @@
+import pytest
+
 from spanrl.schemas import codec
 from spanrl.stream_jobs import grouping
 
@@ -6,8 +8,8 @@ EPS = 1e-6
 CFG = grouping.GroupingConfig(group_timeout_s=30)
 
 
-def tr(rid, i, R, n=2, task="t1", group_size=2, attempt="a0"):
-    return {"schema_version": 2, "rollout_id": rid, "attempt_id": attempt, "span_id": f"{rid}-{attempt}-{i}",
+def tr(rid, i, R, n=2, task="t1", group_size=2, attempt="a0", late=False):
+    return {"schema_version": 2, "reward_delay_ms": 7_200_000 if late else 1000, "late_reward": late, "rollout_id": rid, "attempt_id": attempt, "span_id": f"{rid}-{attempt}-{i}",
             "task_id": task, "group_size": group_size, "sequence_id": i, "call_index": i,
             "rollout_transition_count": n, "agent_name": None, "model": "policy", "policy_version": 0,
             "prompt_token_ids": [1], "completion_token_ids": [2], "behaviour_logprobs": [-0.5],
@@ -115,3 +117,81 @@ def test_transition_read_again_after_its_group_closed_is_a_no_op():
     late = feed(state, store, [tr("r1", 2, 1.0, n=3)])
     assert [d["reason"] for d in late.dead_letters] == ["group_closed"]
     assert store == {}
+
+
+# --- rollouts of one task whose rewards come at different times (late members)
+
+def short_group(now=0):
+    """Task t1, group_size 4: r1 (R=1) and r2 (R=0) in time, the group closes short at 30 s."""
+    state, store = grouping.new_state("t1"), {}
+    feed(state, store, [tr(rid, i, R, group_size=4) for rid, R in (("r1", 1.0), ("r2", 0.0)) for i in (0, 1)], now)
+    out = grouping.advance(state, store, CFG, now + 30 * S)
+    assert [x["advantage"] for x in out.samples] == [0.5 / (0.5 + EPS)] * 2 + [-0.5 / (0.5 + EPS)] * 2
+    assert state["last_closed"] == {"group_id": "t1/0", "closed_ms": now + 30 * S, "group_size": 4,
+                                    "returns": [1.0, 0.0]}
+    return state, store
+
+
+def test_late_member_joins_its_short_group_with_the_advantage_it_would_have_had():
+    state, store = short_group()
+    two_hours = 2 * 3600 * S
+    out = feed(state, store, [tr("r3", 1, 1.0, group_size=4, late=True)], two_hours)
+    assert out.samples == [] and state["open"] is None  # waits for the rest of r3
+    out = feed(state, store, [tr("r3", 0, 1.0, group_size=4, late=True)], two_hours)
+    # G = [1, 0, 1]: mean 2/3, population std sqrt(2)/3; A = (1 - 2/3) / (sqrt(2)/3 + eps)
+    a = (1 - 2 / 3) / (2 ** 0.5 / 3 + EPS)
+    assert [(x["transition"]["call_index"], x["advantage"], x["group_id"], x["group_rollouts"]) for x in out.samples] \
+        == [(0, pytest.approx(a, abs=1e-12), "t1/0", 3), (1, pytest.approx(a, abs=1e-12), "t1/0", 3)]
+    assert out.samples[0]["group_mean"] == pytest.approx(2 / 3) and out.samples[0]["group_std"] == pytest.approx(2 ** 0.5 / 3)
+    assert out.samples[0]["advantage"] == grouping.late_member_advantage([1.0, 0.0], 1.0)
+    for x in out.samples:
+        assert codec.decode("sample", codec.encode("sample", x)) == x
+    assert store == {} and state["last_closed"]["returns"] == [1.0, 0.0, 1.0]
+    # a second late member: against the group with the first late one; R=0 -> G = [1, 0, 1, 0]
+    out = feed(state, store, [tr("r4", i, 0.0, group_size=4, late=True) for i in (0, 1)], two_hours + S)
+    assert [x["advantage"] for x in out.samples] == [-0.5 / (0.5 + EPS)] * 2
+    assert {(x["group_rollouts"], x["group_mean"], x["group_std"]) for x in out.samples} == {(4, 0.5, 0.5)}
+    # read again: nothing; another call of a late member: group_closed
+    assert feed(state, store, [tr("r4", 0, 0.0, group_size=4, late=True)], two_hours + S).samples == []
+    again = feed(state, store, [tr("r3", 2, 1.0, n=3, group_size=4, late=True)], two_hours + S)
+    assert [d["reason"] for d in again.dead_letters] == ["group_closed"]
+
+
+def test_late_member_rules_open_group_full_group_and_window():
+    # an open group of the task: a late transition is a member of it like any other
+    state, store = short_group()
+    feed(state, store, [tr("r5", 0, 1.0, n=1, group_size=4)], 40 * S)
+    feed(state, store, [tr("r3", 0, 0.0, n=1, group_size=4, late=True)], 41 * S)
+    assert sorted(state["open"]["members"]) == ["r3|a0", "r5|a0"] and state.get("late", {}) == {}
+    # not late (an on-time rollout of the next run of the task): a new group, not the short one
+    state, store = short_group()
+    feed(state, store, [tr("r6", 0, 1.0, n=1, group_size=4)], 3600 * S)
+    assert list(state["open"]["members"]) == ["r6|a0"] and state.get("late", {}) == {}
+    # past late_join_s: a new group
+    cfg = grouping.GroupingConfig(group_timeout_s=30, late_join_s=60)
+    state, store = short_group()
+    grouping.add_transition(state, tr("r3", 0, 1.0, n=1, group_size=4, late=True), store, cfg, 90 * S)
+    assert list(state["open"]["members"]) == ["r3|a0"]
+    # a full group takes no late members
+    state, store = grouping.new_state("t1"), {}
+    feed(state, store, [tr("r1", 0, 1.0, n=1), tr("r2", 0, 0.0, n=1)])
+    assert state["last_closed"] is None
+    feed(state, store, [tr("r3", 0, 1.0, n=1, late=True)], 60 * S)
+    assert list(state["open"]["members"]) == ["r3|a0"]
+
+
+def test_incomplete_late_member_times_out():
+    state, store = short_group()
+    feed(state, store, [tr("r3", 0, 1.0, group_size=4, late=True)], 100 * S)
+    assert grouping.advance(state, store, CFG, 129 * S).dead_letters == []
+    out = grouping.advance(state, store, CFG, 130 * S)
+    assert [(d["reason"], d["rollout_id"], d["detail"]) for d in out.dead_letters] == [
+        ("group_incomplete", "r3", "attempt a0 span r3-a0-0: late member: 1/2 transitions in 30s")]
+    assert store == {} and state["late"] == {}
+
+
+def test_late_member_advantage():
+    assert grouping.late_member_advantage([1.0, 0.0, 0.0], 1.0, 0.0) == pytest.approx(1.0)  # G=[1,0,0,1]
+    assert grouping.late_member_advantage([1.0], 1.0) == 0.0  # G=[1,1]: std 0, no signal
+    with pytest.raises(ValueError):
+        grouping.late_member_advantage([], 1.0)
