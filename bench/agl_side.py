@@ -119,7 +119,8 @@ async def sustained_async(a) -> dict:
     shape = Shape(a.llm_calls, a.tools, a.prompt_tokens, a.completion_tokens)
     pool = RolloutPool(shape, a.pool_rollouts)
     adapter = TracerTraceToTriplet()
-    exp = exporter(a.store.rstrip("/") + "/v1/traces")
+    # one exporter (HTTP session) per concurrent feeder; feeder j takes batches k = j mod F
+    exps = [exporter(a.store.rstrip("/") + "/v1/traces") for _ in range(a.exporters)]
     lock = threading.Lock()
     export_cpu = [0.0]
     st = {"spans_acked": 0, "finished": 0, "adapted": 0, "triplets": 0}
@@ -131,7 +132,7 @@ async def sustained_async(a) -> dict:
     n_batches = -(-a.rollouts // a.batch_rollouts)
     behind = 0.0
 
-    def export(spans):
+    def export(exp, spans):
         t = time.thread_time()
         export_ok(exp, spans)
         with lock:
@@ -162,32 +163,37 @@ async def sustained_async(a) -> dict:
     worker = asyncio.create_task(adapt_worker())
     prog = asyncio.create_task(progress())
     try:
-        for k in range(n_batches):
-            if a.spans_per_s:
-                due = M.pace_schedule(k, t0, batch_spans, a.spans_per_s)
-                behind = max(behind, time.monotonic() - due)
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-            idx = range(k * a.batch_rollouts, min(a.rollouts, (k + 1) * a.batch_rollouts))
-            started = [await client.start_rollout(input={"task": f"s{i}"}) for i in idx]
-            ts = time.monotonic()
-            spans = []
-            for i, r in zip(idx, started):
-                sent_at[r.rollout_id] = ts
-                spans += pool.spans(i, r.rollout_id, r.attempt.attempt_id)
-            await asyncio.to_thread(export, spans)
-            st["spans_acked"] += len(spans)
-            series["spans_in"].append((time.monotonic(), st["spans_acked"]))
-            for r in started:
-                await client.update_attempt(r.rollout_id, r.attempt.attempt_id, status="succeeded")
-                st["finished"] += 1
-                queue.put_nowait(r.rollout_id)
+        async def feeder(j: int, exp_j) -> None:
+            nonlocal behind
+            for k in range(j, n_batches, len(exps)):
+                if a.spans_per_s:
+                    due = M.pace_schedule(k, t0, batch_spans, a.spans_per_s)
+                    behind = max(behind, time.monotonic() - due)
+                    await asyncio.sleep(max(0.0, due - time.monotonic()))
+                idx = range(k * a.batch_rollouts, min(a.rollouts, (k + 1) * a.batch_rollouts))
+                started = [await client.start_rollout(input={"task": f"s{i}"}) for i in idx]
+                ts = time.monotonic()
+                spans = []
+                for i, r in zip(idx, started):
+                    sent_at[r.rollout_id] = ts
+                    spans += pool.spans(i, r.rollout_id, r.attempt.attempt_id)
+                await asyncio.to_thread(export, exp_j, spans)
+                st["spans_acked"] += len(spans)
+                series["spans_in"].append((time.monotonic(), st["spans_acked"]))
+                for r in started:
+                    await client.update_attempt(r.rollout_id, r.attempt.attempt_id, status="succeeded")
+                    st["finished"] += 1
+                    queue.put_nowait(r.rollout_id)
+
+        await asyncio.gather(*(feeder(j, e) for j, e in enumerate(exps)))
         t_in = time.monotonic()
         queue.put_nowait(None)
         await worker
         t_end = time.monotonic()
     finally:
         prog.cancel()
-        exp.shutdown()
+        for exp in exps:
+            exp.shutdown()
         await client.close()
     series["lag"].append((time.monotonic(), st["finished"] - st["adapted"]))
     from importlib.metadata import version
@@ -219,6 +225,7 @@ def main() -> None:
     p.add_argument("--pool-rollouts", type=int, default=64)
     p.add_argument("--spans-per-s", type=float, default=None)
     p.add_argument("--sample-s", type=float, default=1.0)
+    p.add_argument("--exporters", type=int, default=1, help="--sustained: concurrent feeders/exporters")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     res = asyncio.run(sustained_async(a) if a.sustained else main_async(a))

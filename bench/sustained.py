@@ -4,10 +4,13 @@
     python -m bench.run --mode rate --spans-per-s 1000 --duration-s 300
 
 - ``sustained``: ``--rollouts`` rollouts (8 spans each, the burst's mix) offered as fast as each
-  system accepts them: one exporter per bridge sends OTLP exports of ``--batch-rollouts`` rollouts
-  back to back, each waiting for its acknowledgement (as a BatchSpanProcessor would).
+  system accepts them: ``--exporters`` feeders (default one per bridge) send OTLP exports of
+  ``--batch-rollouts`` rollouts back to back, each waiting for its acknowledgement (as a
+  BatchSpanProcessor would).
 - ``rate``: ``--spans-per-s`` offered for ``--duration-s``; export batch k is due at
-  ``t0 + k * batch_spans / rate`` (bench.metrics.pace_schedule); latency reported per rollout.
+  ``t0 + k * batch_spans / rate`` (bench.metrics.pace_schedule), sent by one of ``--exporters``
+  (default 4) feeders, so one slow export does not hold the schedule back; ``rate_behind_max_s``
+  says how late the latest batch started; latency reported per rollout.
 - ``--workers W --bridges B`` (W or B > 1): spanrl runs twice in the same invocation, with 1 + 1
   and with W Faust workers (one consumer group: the same app id) + B bridge processes; rollouts
   are split between the bridges batch by batch (round robin, as a load balancer would).
@@ -101,17 +104,19 @@ class Sampler(threading.Thread):
         self.samples.append((time.monotonic(), self.sample()))
 
     def summary(self, t0: float, t1: float, spans: int) -> dict:
-        """Per process: CPU s in [t0, t1], µs per span, peak and final RSS of the samples."""
+        """Per process: CPU s in [t0, t1], µs per span, cores (CPU s / wall s), peak RSS of the
+        samples and final RSS (the last sample by ``t1``, the end of the run)."""
         out = {}
         for name in self.procs:
-            pts = [(t, r[name]) for t, r in self.samples if name in r]
+            pts = [(t, r[name]) for t, r in self.samples if name in r and r[name][1] > 0]  # rss 0: a zombie
             if not pts:
                 continue
+            final = [p for p in pts if p[0] <= t1 + self.every_s] or pts
             cpu = [(t, v[0]) for t, v in pts]
             c = M.value_at(cpu, t1) - M.value_at(cpu, t0)
             out[name] = {"cpu_s": c, "cpu_us_per_span": M.cpu_us_per_span(c, spans),
                          "cores": c / (t1 - t0) if t1 > t0 else float("nan"),
-                         "rss_peak_mib": max(v[1] for _, v in pts), "rss_final_mib": pts[-1][1][1]}
+                         "rss_peak_mib": max(v[1] for _, v in pts), "rss_final_mib": final[-1][1][1]}
         return out
 
     def series(self, t0: float) -> dict:
@@ -262,13 +267,16 @@ class SpanrlSustained(SpanrlSide):
         lag_series: list = []
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
         await producer.start()
-        exps = [exporter(f"http://127.0.0.1:{p}/v1/traces") for p in self.bridge_ports]
+        # feeder j (one exporter each) sends batches k = j mod F to bridge j mod B
+        n_feed = exporters_for(a, self.n_bridges)
+        exps = [exporter(f"http://127.0.0.1:{self.bridge_ports[j % self.n_bridges]}/v1/traces")
+                for j in range(n_feed)]
         out: dict = {"workers": self.n_workers, "bridges": self.n_bridges, "topics": self.prefix + "*"}
         try:
             # warm-up: 16 rollouts (every partition) through each bridge and the whole pipeline
             warm = [f"w{self.id}-{i}" for i in range(16)]
-            for j, exp in enumerate(exps):
-                await self._send_batch(producer, exp, warm[j::len(exps)], 0)
+            for j in range(self.n_bridges):
+                await self._send_batch(producer, exps[j], warm[j::self.n_bridges], 0)
             await self.wait_for(warm, 180)
             lagger = asyncio.create_task(self.poll_lag(stop_evt, a.sample_s, lag_series))
             dead0 = self.dead_letters()
@@ -376,6 +384,14 @@ class SpanrlSustained(SpanrlSide):
 
 # ---- Agent Lightning ------------------------------------------------------------------
 
+def exporters_for(a, bridges: int) -> int:
+    """Concurrent feeders (each one OTLP exporter, one export in flight): ``--exporters`` if given,
+    else one per bridge (sustained) or 4 (rate: a late export does not hold the schedule back),
+    rounded up to a multiple of ``bridges`` so each bridge gets the same share."""
+    n = a.exporters or (bridges if a.mode == "sustained" else 4)
+    return -(-n // bridges) * bridges
+
+
 def run_agl_sustained(a, shape: Shape, mode: str, n: int, tmp: Path, sampler: Sampler, log: Log) -> dict:
     venv, env, port, store = start_agl_store(a, tmp)
     out_f = tmp / "agl-sustained.json"
@@ -383,7 +399,7 @@ def run_agl_sustained(a, shape: Shape, mode: str, n: int, tmp: Path, sampler: Sa
         wait_http(f"http://127.0.0.1:{port}/v1/agl/health", 120, store)
         cmd = [str(venv / "bin" / "python"), "-m", "bench.agl_side", "--sustained", "--store", f"http://127.0.0.1:{port}",
                "--rollouts", str(n), "--batch-rollouts", str(a.batch_rollouts), "--pool-rollouts",
-               str(a.pool_rollouts), "--out", str(out_f)]
+               str(a.pool_rollouts), "--exporters", str(exporters_for(a, 1)), "--out", str(out_f)]
         if mode == "rate":
             cmd += ["--spans-per-s", str(a.spans_per_s)]
         sampler.add("agl_store", store.pid)
@@ -553,7 +569,7 @@ def run(a) -> dict:
                  "params": {"rollouts": n, "batch_rollouts": a.batch_rollouts, "pool_rollouts": a.pool_rollouts,
                             "spans_per_s": a.spans_per_s if a.mode == "rate" else None,
                             "duration_s": a.duration_s if a.mode == "rate" else None,
-                            "workers": a.workers, "bridges": a.bridges, "settle_s": a.settle_s,
+                            "workers": a.workers, "bridges": a.bridges, "exporters": a.exporters, "settle_s": a.settle_s,
                             "tick_s": a.tick_s, "commit_interval_s": a.commit_interval_s, "sample_s": a.sample_s},
                  "workload": {"shape": shape.__dict__, "spans_per_rollout": shape.spans_per_rollout,
                               "generation": f"pool of {a.pool_rollouts} prebuilt rollouts re-stamped with fresh "
@@ -615,6 +631,9 @@ def add_args(p) -> None:
     g.add_argument("--workers", type=int, default=1, help="Faust worker processes (one group) of the 2nd spanrl run")
     g.add_argument("--bridges", type=int, default=1, help="bridge processes of the 2nd spanrl run")
     g.add_argument("--pool-rollouts", type=int, default=64, help="prebuilt rollouts re-stamped with fresh ids")
+    g.add_argument("--exporters", type=int, default=None,
+                   help="concurrent exporters (feeders), each with one export in flight; default: one per "
+                        "bridge in sustained mode, 4 in rate mode")
     g.add_argument("--sample-s", type=float, default=1.0, help="psutil / lag sampling period")
     g.add_argument("--drain-timeout-s", type=float, default=120.0,
                    help="give up when no transition came for this long after the last export")
