@@ -58,6 +58,28 @@ class Log:
         self.console = Console(stderr=True)
         self.tty = self.console.is_terminal
 
+        self.bar = None
+        self.tasks: dict[str, int] = {}
+
+    def progress(self, key: str, done: int, total: int) -> None:
+        """A rich progress bar per ``key`` on a TTY (the log file gets the periodic lines)."""
+        if not self.tty:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        if self.bar is None:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console)
+            self.bar.start()
+        if key not in self.tasks:
+            self.tasks[key] = self.bar.add_task(key, total=total)
+        self.bar.update(self.tasks[key], completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        self.file.close()
+
     def __call__(self, msg: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {msg}"
         self.file.write(line + "\n")
@@ -309,8 +331,14 @@ class SpanrlSustained(SpanrlSide):
                     in_series.append((ta, in_series[-1][1] + len(batches[k]) * shape.spans_per_rollout))
 
             async def progress() -> None:
+                i = 0
                 while True:
-                    await asyncio.sleep(5)
+                    await asyncio.sleep(1)
+                    i += 1
+                    self.log.progress(f"{label} spans in", in_series[-1][1], n * shape.spans_per_rollout)
+                    self.log.progress(f"{label} transitions out", self.n_out - out_base, n * shape.llm_calls)
+                    if i % 5:
+                        continue
                     lag = sum(lag_series[-1][1].values()) if lag_series else None
                     self.log(f"{label}: spans in {in_series[-1][1]}/{n * shape.spans_per_rollout}, "
                              f"transitions {self.n_out - out_base}/{n * shape.llm_calls}, lag {lag}")
@@ -322,7 +350,6 @@ class SpanrlSustained(SpanrlSide):
                 t_done = await self.wait_for(rids, a.drain_timeout_s)
             finally:
                 prog.cancel()
-            wall = time.monotonic()
             spans = n * shape.spans_per_rollout
             trans = sum(len(self.seen.get(r, ())) for r in rids)
             outs = [(t, v - out_base) for t, v in self.out_series if v > out_base]
@@ -344,7 +371,7 @@ class SpanrlSustained(SpanrlSide):
                             "measured_from": "start of the OTLP export holding the rollout's spans (reward span "
                                              "last); from_terminal_ack: the terminal event's ack, after the spans",
                             "measured_to": "the rollout's last transition read (read_committed) from transitions"},
-                "processes": sampler.summary(t0, wall, spans) if sampler else {},
+                "processes": sampler.summary(t0, t_done, spans),
                 "dead_letters": {k: v - dead0.get(k, 0) for k, v in self.dead_letters().items()
                                  if v != dead0.get(k, 0)},
                 "series": {"t0": t0, "spans_in": [(round(t - t0, 3), v) for t, v in in_series],
@@ -407,8 +434,12 @@ def run_agl_sustained(a, shape: Shape, mode: str, n: int, tmp: Path, sampler: Sa
         sampler.add("agl_client", client.pid)
         t_last = 0.0
         for line in client.stdout:
-            if time.monotonic() - t_last > 5 and line.startswith("{"):
-                p = json.loads(line)
+            if not line.startswith("{"):
+                continue
+            p = json.loads(line)
+            log.progress("agl spans in", p["spans_acked"], n * shape.spans_per_rollout)
+            log.progress("agl triplets out", p["triplets"], n * shape.llm_calls)
+            if time.monotonic() - t_last > 5:
                 log(f"agl: spans in {p['spans_acked']}/{n * shape.spans_per_rollout}, triplets "
                     f"{p['triplets']}/{n * shape.llm_calls}, lag (succeeded, not adapted) {p['finished'] - p['adapted']}")
                 t_last = time.monotonic()
@@ -621,6 +652,7 @@ def run(a) -> dict:
     table = print_table(res)
     log("\n" + table)
     log(f"-> {base}.json, {base}.png ({res['wall_s']:.0f} s)")
+    log.close()
     return res
 
 
@@ -635,5 +667,5 @@ def add_args(p) -> None:
                    help="concurrent exporters (feeders), each with one export in flight; default: one per "
                         "bridge in sustained mode, 4 in rate mode")
     g.add_argument("--sample-s", type=float, default=1.0, help="psutil / lag sampling period")
-    g.add_argument("--drain-timeout-s", type=float, default=120.0,
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="give up when no transition came for this long after the last export")

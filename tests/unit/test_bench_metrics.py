@@ -86,3 +86,15 @@ def test_pace_schedule_and_rollouts_for():
 def test_cpu_us_per_span():
     assert M.cpu_us_per_span(1.5, 3000) == 500.0
     assert math.isnan(M.cpu_us_per_span(1.0, 0))
+
+
+def test_exporters_for_rounds_up_to_a_multiple_of_the_bridges():
+    from argparse import Namespace
+
+    from bench.sustained import exporters_for
+
+    assert exporters_for(Namespace(exporters=None, mode="sustained"), 1) == 1
+    assert exporters_for(Namespace(exporters=None, mode="sustained"), 2) == 2
+    assert exporters_for(Namespace(exporters=None, mode="rate"), 1) == 4
+    assert exporters_for(Namespace(exporters=None, mode="rate"), 3) == 6
+    assert exporters_for(Namespace(exporters=3, mode="sustained"), 2) == 4
