@@ -350,6 +350,8 @@ class SpanrlSustained(SpanrlSide):
                 t_done = await self.wait_for(rids, a.drain_timeout_s)
             finally:
                 prog.cancel()
+                self.log.progress(f"{label} spans in", in_series[-1][1], n * shape.spans_per_rollout)
+                self.log.progress(f"{label} transitions out", self.n_out - out_base, n * shape.llm_calls)
             spans = n * shape.spans_per_rollout
             trans = sum(len(self.seen.get(r, ())) for r in rids)
             outs = [(t, v - out_base) for t, v in self.out_series if v > out_base]
