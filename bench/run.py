@@ -1,6 +1,7 @@
 """spanrl vs Agent Lightning benchmarks; ``make bench`` runs this.
 
     python -m bench.run [--rollouts 100] [--runs 3] [--skip-agl] [--skip-trainer] [--skip-checkpoint] [--profile]
+    python -m bench.run --mode sustained|rate ...   # bench.sustained (make bench-sustained / bench-rate)
 
 (1) span ingestion -> training data, same OTLP workload to both systems;
 (2) reward -> transition latency (spanrl) at a stated offered rate;
