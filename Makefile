@@ -4,7 +4,7 @@ CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
 PY := $(CACHE)/venv/bin/python
 export SPANRL_CACHE_DIR := $(CACHE)
 
-.PHONY: bootstrap demo test test-unit up down status bench chaos
+.PHONY: bootstrap demo test test-unit up down status bench bench-sustained bench-rate chaos
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -32,6 +32,14 @@ status:
 ## Benchmarks side by side with Agent Lightning (needs `make up`); writes bench/results/latest.json.
 bench: bootstrap
 	$(PY) -m bench.run $(ARGS)
+
+## Sustained (10,000 rollouts as fast as accepted; 1+1 vs 2 workers + 2 bridges) and fixed-rate
+## (1,000 spans/s for 300 s) runs, each side by side with Agent Lightning; writes
+## bench/results/<mode>-<time>.{json,png,log}. Small: ARGS="--rollouts 500" / ARGS="--duration-s 20".
+bench-sustained: bootstrap
+	$(PY) -m bench.run --mode sustained --rollouts 10000 --workers 2 --bridges 2 $(ARGS)
+bench-rate: bootstrap
+	$(PY) -m bench.run --mode rate --spans-per-s 1000 --duration-s 300 --batch-rollouts 8 $(ARGS)
 
 ## Fault injection: SIGKILL each component mid-run, prove nothing lost or duplicated (results/chaos.json).
 chaos: bootstrap

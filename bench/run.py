@@ -1,6 +1,7 @@
 """spanrl vs Agent Lightning benchmarks; ``make bench`` runs this.
 
     python -m bench.run [--rollouts 100] [--runs 3] [--skip-agl] [--skip-trainer] [--skip-checkpoint] [--profile]
+    python -m bench.run --mode sustained|rate ...   # bench.sustained (make bench-sustained / bench-rate)
 
 (1) span ingestion -> training data, same OTLP workload to both systems;
 (2) reward -> transition latency (spanrl) at a stated offered rate;
@@ -136,15 +137,37 @@ class SpanrlSide:
         finally:
             await admin.close()
 
+    async def setup(self) -> None:
+        """Topics and processes up; on failure what was started is stopped and the topics removed."""
+        try:
+            await self.create_topics()
+            self.start()
+        except BaseException:
+            self.stop()
+            await self.delete_topics()
+            raise
+
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.bridge_port, self.web_port = free_port(), free_port()
-        self.bridge = subprocess.Popen(
-            [sys.executable, "-m", "spanrl.producers.bridge", "--port", str(self.bridge_port), "--topic-prefix", self.prefix],
-            cwd=REPO, env=env, stdout=open(self.workdir / "bridge.log", "wb"), stderr=subprocess.STDOUT,
+        self.bridge = self.start_bridge(self.bridge_port, "bridge")
+        self.worker = self.start_worker(self.web_port, self.workdir, "worker")
+        wait_http(f"http://127.0.0.1:{self.bridge_port}/health", 60, self.bridge)
+        wait_http(f"http://127.0.0.1:{self.web_port}/spanrl/health/", 120, self.worker)
+
+    def start_bridge(self, port: int, name: str) -> subprocess.Popen:
+        """A bridge process on ``port`` writing to this run's topics; log ``<workdir>/<name>.log``."""
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return subprocess.Popen(
+            [sys.executable, "-m", "spanrl.producers.bridge", "--port", str(port), "--topic-prefix", self.prefix],
+            cwd=REPO, env=env, stdout=open(self.workdir / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
-        wenv = {**env, "SPANRL_STREAM_APP_ID": self.app_id, "SPANRL_FAUST_WEB_PORT": str(self.web_port),
+
+    def start_worker(self, web_port: int, cwd: Path, name: str) -> subprocess.Popen:
+        """A Faust worker of this run's app id (one consumer group) with web port ``web_port``;
+        ``cwd`` holds its ``<app_id>-data`` (one per worker process); log ``<workdir>/<name>.log``."""
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        wenv = {**env, "SPANRL_STREAM_APP_ID": self.app_id, "SPANRL_FAUST_WEB_PORT": str(web_port),
                 "SPANRL_SPANS_TOPIC": self.names["spans"], "SPANRL_REWARDS_TOPIC": self.names["rewards"],
                 "SPANRL_ROLLOUTS_TOPIC": self.names["rollouts"],
                 "SPANRL_TRANSITIONS_TOPIC": self.names["transitions"],
@@ -156,11 +179,10 @@ class SpanrlSide:
             if value is not None:
                 wenv[var] = str(value)
         # cwd: Faust writes <app_id>-data into the working directory
-        self.worker = subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "warn"],
-                                       cwd=self.workdir, env=wenv, stdout=open(self.workdir / "worker.log", "wb"),
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-        wait_http(f"http://127.0.0.1:{self.bridge_port}/health", 60, self.bridge)
-        wait_http(f"http://127.0.0.1:{self.web_port}/spanrl/health/", 120, self.worker)
+        cwd.mkdir(parents=True, exist_ok=True)
+        return subprocess.Popen([sys.executable, "-m", "spanrl.stream_jobs.app", "worker", "-l", "warn"],
+                                cwd=cwd, env=wenv, stdout=open(self.workdir / f"{name}.log", "wb"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
         for p in (self.bridge, self.worker):
@@ -172,25 +194,34 @@ class SpanrlSide:
     def pids(self) -> dict[str, int]:
         return {"bridge": self.bridge.pid, "worker": self.worker.pid}
 
-    async def consume(self, stop_evt: asyncio.Event) -> None:
+    async def read_transitions(self, stop_evt: asyncio.Event, on_batch, clock=time.perf_counter) -> None:
+        """Reads the transitions topic (read_committed, from the start) until ``stop_evt``;
+        ``on_batch(now, msgs)`` for each partition's batch, ``now`` from ``clock``."""
         from aiokafka import AIOKafkaConsumer
-
-        from spanrl.schemas import codec
 
         c = AIOKafkaConsumer(self.names["transitions"], bootstrap_servers=self.bootstrap, group_id=None,
                              auto_offset_reset="earliest", isolation_level="read_committed")
         await c.start()
         try:
             while not stop_evt.is_set():
-                for msgs in (await c.getmany(timeout_ms=100)).values():
-                    now = time.perf_counter()
-                    for m in msgs:
-                        rid = codec.decode("transition", m.value)["rollout_id"]
-                        self.seen.setdefault(rid, []).append(now)
-                        self.sizes.setdefault(rid, []).append(len(m.value))
-                        self.values.setdefault(rid, []).append(m.value)
+                batch = await c.getmany(timeout_ms=100)
+                now = clock()
+                for msgs in batch.values():
+                    on_batch(now, msgs)
         finally:
             await c.stop()
+
+    async def consume(self, stop_evt: asyncio.Event) -> None:
+        from spanrl.schemas import codec
+
+        def on_batch(now, msgs):
+            for m in msgs:
+                rid = codec.decode("transition", m.value)["rollout_id"]
+                self.seen.setdefault(rid, []).append(now)
+                self.sizes.setdefault(rid, []).append(len(m.value))
+                self.values.setdefault(rid, []).append(m.value)
+
+        await self.read_transitions(stop_evt, on_batch)
 
     async def wait_for(self, rids: list[str], timeout: float) -> float:
         n = self.shape.llm_calls
@@ -206,26 +237,24 @@ class SpanrlSide:
               "(late_span dead letters? raise --settle-s)", file=sys.stderr)
         return time.perf_counter()
 
-    def lifecycle(self, rid: str, task: str, status: str) -> tuple[str, bytes, bytes]:
+    def lifecycle(self, rid: str, task: str, status: str, inputs_acked: bool | None = None) -> tuple[str, bytes, bytes]:
+        """A lifecycle event; a terminal one says ``inputs_acked`` ("every span and reward of this
+        attempt was acked by Kafka before this event": both modes send it after the export was
+        acknowledged) unless ``--no-inputs-acked`` or ``inputs_acked=False``."""
         from spanrl.schemas import codec
 
+        # as the runner: a terminal event is sent after the rollout's spans were acknowledged
+        # (--no-inputs-acked: without the flag, the worker's settle_s wait, the rule before issue 11)
+        acked = status != "started" and self.a.inputs_acked and inputs_acked is not False
         return (self.names["rollouts"], rid.encode(), codec.encode("rollout", {
             "rollout_id": rid, "attempt_id": "0", "task_id": task, "status": status, "group_size": 4,
-            "runner_id": "bench", "timestamp_ms": int(time.time() * 1000),
-            # as the runner: a terminal event is sent after the rollout's spans were acknowledged
-            "inputs_acked": status != "started" and self.a.inputs_acked}))
+            "runner_id": "bench", "timestamp_ms": int(time.time() * 1000), "inputs_acked": acked}))
 
     async def run(self, profile_dir: Path | None) -> dict:
         from aiokafka import AIOKafkaProducer
 
         shape, a = self.shape, self.a
-        try:
-            await self.create_topics()
-            self.start()
-        except BaseException:
-            self.stop()
-            await self.delete_topics()
-            raise
+        await self.setup()
         stop_evt = asyncio.Event()
         consumer = asyncio.create_task(self.consume(stop_evt))
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
@@ -369,7 +398,9 @@ def agl_venv(a) -> Path:
     return venv
 
 
-def run_agl(a, shape: Shape, tmp: Path) -> dict:
+def start_agl_store(a, tmp: Path) -> tuple[Path, dict, int, subprocess.Popen]:
+    """``agl store --backend memory`` on a free port (log in ``tmp``): (venv, env, port, process);
+    the caller waits for ``/v1/agl/health`` and stops it."""
     venv = agl_venv(a)
     port = free_port()
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(REPO)}
@@ -378,6 +409,11 @@ def run_agl(a, shape: Shape, tmp: Path) -> dict:
                               "--port", str(port), "--log-level", "WARNING"],
                              env=env, stdout=open(tmp / "agl-store.log", "wb"), stderr=subprocess.STDOUT,
                              start_new_session=True)
+    return venv, env, port, store
+
+
+def run_agl(a, shape: Shape, tmp: Path) -> dict:
+    venv, env, port, store = start_agl_store(a, tmp)
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/agl/health", 120, store)
         # one warm-up run of 2 rollouts, then the measured runs (store CPU measured per run below)
@@ -448,7 +484,9 @@ def print_table(res: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rollouts", type=int, default=100)
+    p.add_argument("--mode", choices=("burst", "sustained", "rate"), default="burst",
+                   help="burst: the tables (1)-(5) below; sustained / rate / scale-out: bench.sustained")
+    p.add_argument("--rollouts", type=int, default=None, help="burst: 100 per run; sustained: 10000")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch-rollouts", type=int, default=64, help="rollouts per OTLP export (64 x 8 = 512 spans, "
                    "the BatchSpanProcessor's default batch)")
@@ -471,7 +509,15 @@ def main(argv=None) -> None:
     p.add_argument("--py-spy", default=str(Path.home() / ".cache/spanrl/bench/tools-venv/bin/py-spy"))
     p.add_argument("--out", default=str(RESULTS / "latest.json"))
     p.add_argument("--keep-logs", action="store_true", help="keep the bridge and worker logs (bench/results/tmp/<id>)")
+    from bench import sustained
+
+    sustained.add_args(p)
     a = p.parse_args(argv)
+    if a.rollouts is None:
+        a.rollouts = 10000 if a.mode == "sustained" else 100
+    if a.mode != "burst":
+        sustained.run(a)
+        return
     shape = Shape()
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -118,3 +118,43 @@ def proc_peak_rss_mb(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class RolloutPool:
+    """Prebuilt rollouts re-stamped with fresh ids, for runs too long to build up front.
+
+    ``size`` template rollouts (seeds 0..size-1, reward ``reward_of(seed)``) are built once with
+    :func:`rollout_spans`; :meth:`spans` returns template ``i % size`` as new ``ReadableSpan``
+    objects with the given rollout/attempt ids (both systems' keys), a fresh
+    ``gen_ai.response.id`` and fresh random trace/span ids. The token-id lists are shared (not
+    copied), so memory stays that of ``size`` rollouts (~ 50 KB each) whatever the run length.
+    With an even ``size``, rollout ``i`` gets ``reward_of(i)`` as in the burst.
+    """
+
+    _ID_KEYS = ("spanrl.rollout_id", "agentlightning.rollout_id")
+    _ATTEMPT_KEYS = ("spanrl.attempt_id", "agentlightning.attempt_id")
+
+    def __init__(self, shape: Shape, size: int = 64):
+        self.shape, self.size = shape, size
+        self.templates = [rollout_spans(f"tmpl-{i}", "0", reward_of(i), shape, seed=i) for i in range(size)]
+        self._rng = random.Random(0x5EED)
+
+    def spans(self, i: int, rollout_id: str, attempt_id: str) -> list[ReadableSpan]:
+        from opentelemetry.trace import SpanContext, TraceFlags
+
+        out = []
+        for s in self.templates[i % self.size]:
+            attrs = dict(s.attributes)
+            for k in self._ID_KEYS:
+                attrs[k] = rollout_id
+            for k in self._ATTEMPT_KEYS:
+                attrs[k] = attempt_id
+            if "gen_ai.response.id" in attrs:
+                attrs["gen_ai.response.id"] = f"chatcmpl-{rollout_id}-{attrs['spanrl.sequence_id']}"
+            ctx = SpanContext(self._rng.getrandbits(128) or 1, self._rng.getrandbits(64) or 1, is_remote=False,
+                              trace_flags=TraceFlags(TraceFlags.SAMPLED))
+            out.append(ReadableSpan(name=s.name, context=ctx, parent=None, resource=s.resource, attributes=attrs,
+                                    events=s.events, links=s.links, kind=s.kind, status=s.status,
+                                    start_time=s.start_time, end_time=s.end_time,
+                                    instrumentation_scope=s.instrumentation_scope))
+        return out
