@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -26,8 +25,6 @@ from spanrl.producers.runner import Runner, make_task
 pytestmark = pytest.mark.integration
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
-#: Debian's packages (chromium, chromium-driver); never Selenium Manager's downloads
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
 @pytest.fixture(scope="module")
@@ -39,25 +36,14 @@ def dashboard(settings):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    from spanrl.infra.dashboard.screenshots import headless_chromium
 
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not Path(path).exists():
-            pytest.fail(f"{path} missing: apt-get install -y chromium chromium-driver (infra/bootstrap.sh does)")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", "--user-data-dir=" + str(ARTIFACTS.parent / f"chrome-{uuid.uuid4().hex[:6]}")):
-        opts.add_argument(arg)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     try:
-        yield driver
-    finally:
-        driver.quit()
-        for d in ARTIFACTS.parent.glob("chrome-*"):
-            shutil.rmtree(d, ignore_errors=True)
+        with headless_chromium() as driver:
+            yield driver
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
 
 
 def _run_one_task(settings, task_id: str) -> dict[str, str]:
