@@ -311,7 +311,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     groups = app.Table("groups", partitions=task_partitions, default=None, key_type=str, value_type=None)
     group_transitions = app.Table("group-transitions", partitions=task_partitions, default=None,
                                   key_type=str, value_type=None)
-    group_transitions.value_serializer = "spanrl_transition"  # read when its changelog topic is made
+    _use_value_serializer(group_transitions, "spanrl_transition")
     # trace join: state per trace id (json), and the records of orphans waiting for a link (raw)
     traces = app.Table("traces", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
     orphans = app.Table("orphans", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
@@ -739,6 +739,23 @@ class _RewardSensor(faust.Sensor):
             except Exception:  # noqa: BLE001 - a bad record is the agent's to dead-letter; never break the stream
                 pass
         return None
+
+
+def _use_value_serializer(table, serializer: str) -> None:
+    """Encode and decode ``table``'s changelog with ``serializer``.
+
+    Faust gotcha (faust-streaming 0.15): a Table derives its value serializer from its
+    value_type, and ``app.Table`` already made its changelog topic with that one (the table
+    manager reads ``table.changelog_topic`` when the table is added). Setting
+    ``table.value_serializer`` afterwards changes how changelog records are *written* but
+    not how recovery *reads* them (the changelog topic's own serializer, cloned for the
+    recovery consumer): every record of the table failed to decode on a restart ("Error in
+    recovery 'utf-8' codec can't decode"), the table came back empty, and the grouper
+    crashed on every group close that needed one of its transitions (`make test`, worker
+    fault: 12 transitions in no sample). Both are set here.
+    """
+    table.value_serializer = serializer
+    table.changelog_topic.value_serializer = serializer
 
 
 async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle,

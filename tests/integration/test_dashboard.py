@@ -109,7 +109,15 @@ def test_dashboard_shows_the_rollouts_and_a_trace(settings, dashboard, browser):
     completion = browser.find_element(By.CSS_SELECTOR, "pre.completion").text
     prompt = browser.find_element(By.CSS_SELECTOR, "pre.prompt").text
     assert texts[rid].strip() in completion and "Name a colour." in prompt
-    cells = browser.find_elements(By.CSS_SELECTOR, "tr.span-row.kind-llm td")
+    # its call account (whether it trained) comes with its transitions, when the worker's
+    # transaction commits; the page may have been drawn before: wait for it
+    deadline = time.monotonic() + 60
+    while True:
+        cells = browser.find_elements(By.CSS_SELECTOR, "tr.span-row.kind-llm td")
+        if cells[4].text != "pending" or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+        browser.refresh()
     assert cells[3].text.split("\n")[0] == "painter" and cells[4].text == "yes"  # its agent; it trained
     _shot(browser, "rollout")
 
