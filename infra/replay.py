@@ -43,7 +43,9 @@ class ReplayConfig:
     transitions (``SPANRL_TRAIN_AGENTS`` syntax: names or ``re:EXPR``; None: every call), so
     the same stored spans can train a different set of agents; air_rules: AIR's intermediate
     rewards (``SPANRL_AIR_RULES`` syntax, spanrl.stream_jobs.air.parse_air_rules; None: none),
-    so the same spans give transitions with and without them."""
+    so the same spans give transitions with and without them; train_max_batch: samples per
+    update of that training (None: the trainer's default, 64; an update on CPU takes seconds
+    per sample)."""
 
     suffix: str
     credit_rule: str = "identical"
@@ -52,6 +54,7 @@ class ReplayConfig:
     since_ms: int | None = None
     train_from: str | None = None
     train_updates: int = 1
+    train_max_batch: int | None = None
     timeout_s: float = 600.0
     quiet_s: float = 8.0
 
@@ -260,6 +263,8 @@ def train_replayed(cfg: ReplayConfig, samples_topic: str, s: Settings, log=print
            # replayed samples are off-policy by design (made by the original run's versions):
            # trained with the importance ratio capped (trainer/staleness.py), not refused
            "SPANRL_TRAINER_STALE_POLICY": os.environ.get("SPANRL_TRAINER_STALE_POLICY", "keep")}
+    if cfg.train_max_batch is not None:
+        env["SPANRL_TRAINER_MAX_BATCH"] = env["SPANRL_TRAINER_MIN_BATCH"] = str(cfg.train_max_batch)
     log(f"training run {run} from {cfg.train_from} on {samples_topic}")
     state = (ROOT / s.state_dir).resolve()
     with open(state / "logs" / f"trainer-{run}.log", "ab") as out:

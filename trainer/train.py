@@ -690,20 +690,23 @@ class Trainer:
             good += s is not None
         head, rest = buffer[:taken], buffer[taken:]
         samples, lags, kept = await self._bound_staleness(head)
+        trained_version = self.state.version
+        if samples:
+            metrics = await asyncio.to_thread(
+                train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
+                micro_batch_tokens=self.cfg.micro_batch_tokens,
+                ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
+                singleton_advantage=self.cfg.singleton_advantage,
+                kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg,
+                ratio_cap=self.cfg.ratio_cap if kept else None)
+        # the trained offsets (what /status says was trained, and the next manifest) advance only
+        # once the update is done: readers of /status wait on them (the main job's iteration)
         before = dict(self.state.trained_offsets)
         for p, off, _ in head:
             key = f"{self.cfg.samples_topic}:{p}"
             self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
         if not samples:  # every sample was stale: consumed (in the next checkpoint's ranges), no update
             return rest
-        trained_version = self.state.version
-        metrics = await asyncio.to_thread(
-            train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
-            micro_batch_tokens=self.cfg.micro_batch_tokens,
-            ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
-            singleton_advantage=self.cfg.singleton_advantage,
-            kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg,
-            ratio_cap=self.cfg.ratio_cap if kept else None)
         hist = staleness.lag_histogram(lags)
         for acc in (self.state.staleness, self._since_parent):
             acc["lag_histogram"] = staleness.add_histograms(acc["lag_histogram"], hist)

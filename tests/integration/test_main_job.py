@@ -121,7 +121,7 @@ def test_replay_with_a_new_credit_rule_then_train(main_job, settings, tmp_path, 
     suffix = f"t{uuid.uuid4().hex[:8]}"
     scratch_run(f"replay-{suffix}")  # the run spanrl.infra.replay trains
     result = replay(ReplayConfig(suffix=suffix, credit_rule="scaled:0.5", train_from=f"{settings.run}:{version}",
-                                 train_updates=1, timeout_s=400))
+                                 train_updates=1, train_max_batch=16, timeout_s=400))
     new_topic = output_topics(suffix)[0]
     replayed = [t for t in asyncio.run(read_topic(bootstrap, new_topic)) if t["rollout_id"] in ours]
     key = lambda t: (t["rollout_id"], t["attempt_id"], t["span_id"])  # noqa: E731
