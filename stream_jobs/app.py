@@ -15,6 +15,7 @@ Plumbing only: every decision is made by the pure functions.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -283,7 +284,6 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         registry, "spanrl_worker_reward_to_transition_seconds",
         "per attempt: its final reward consumed -> its first transition sent (queued in the transaction)")
     reward_clock = worker_metrics.RewardToTransition()
-    app.sensors.add(_RewardSensor(cfg.rewards_topic, reward_clock))
 
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     # Timeouts: a timer cannot write tables or produce inside a transaction (no event),
@@ -539,6 +539,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 out = assembly.add_span(state, record, calls, assembly_cfg, now,
                                         at=(msg.topic, msg.partition, msg.offset))
             elif record_type == "reward":
+                if record.get("final", True):  # for the reward -> transition histogram (/metrics)
+                    reward_clock.reward_consumed(rid, record["attempt_id"], time.monotonic())
                 out = assembly.add_reward(state, record, now)
             else:
                 bound = await inputs_bound(p) if assembly.wants_inputs_bound(state, record) else None
@@ -607,9 +609,10 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                 bootstrap_servers=cfg.bootstrap, enable_idempotence=True, acks="all",
                 max_request_size=MAX_RECORD_BYTES)
             await producer.start()
-        for sp in records:
-            await producer.send_and_wait(cfg.spans_topic, codec.encode("span", sp), key=sp["rollout_id"].encode())
-            counters["spans_joined"] += 1
+        acks = [await producer.send(cfg.spans_topic, codec.encode("span", sp), key=sp["rollout_id"].encode())
+                for sp in records]
+        await asyncio.gather(*acks)  # all acknowledged before the orphans' offsets can commit
+        counters["spans_joined"] += len(records)
 
     async def _tick_trace(tid: str, state: dict, now: int) -> None:
         if joining.expired(state, now, cfg.retain_s):
@@ -720,25 +723,6 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     app.spanrl_config = cfg  # for introspection in tests
     return app
-
-
-class _RewardSensor(faust.Sensor):
-    """Notes when each final reward of ``rewards_topic`` enters a stream (for the reward ->
-    transition histogram); reads the record only, never changes what the agents do."""
-
-    def __init__(self, rewards_topic: str, clock: worker_metrics.RewardToTransition):
-        super().__init__()
-        self.rewards_topic, self.clock = rewards_topic, clock
-
-    def on_stream_event_in(self, tp, offset, stream, event):
-        if tp.topic == self.rewards_topic:
-            try:
-                reward = codec.decode("reward", event.message.value)
-                if reward.get("final", True):
-                    self.clock.reward_consumed(reward["rollout_id"], reward["attempt_id"], time.monotonic())
-            except Exception:  # noqa: BLE001 - a bad record is the agent's to dead-letter; never break the stream
-                pass
-        return None
 
 
 def _use_value_serializer(table, serializer: str) -> None:
