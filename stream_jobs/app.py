@@ -7,8 +7,10 @@ per-rollout state in a table -> transitions (key task_id).
 Agent ``group``: transitions -> per-task group state in a table -> samples (key task_id).
 Agent ``join``: orphan-spans (no rollout id) + trace links (key trace_id) -> per-trace state
 in a table -> joined spans back into spans (key rollout_id) (stream_jobs/joining.py).
-All -> dead-letter (key rollout_id). Late rewards: when a parked attempt's final reward
-comes, ``assemble`` re-reads its calls' spans (stream_jobs/spans_reader.py) inside that
+All -> dead-letter (key rollout_id). The calls' token data are held in the worker's memory
+only (the state keeps each call's span position): when an attempt can end and this worker
+lacks them (a parked attempt's late reward; a restart or a rebalance since its calls were
+consumed), ``assemble`` re-reads those spans (stream_jobs/spans_reader.py) inside that
 event's transaction. See stream_jobs/README.md.
 
 Plumbing only: every decision is made by the pure functions.
@@ -16,16 +18,15 @@ Plumbing only: every decision is made by the pure functions.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 from collections import Counter
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
-from faust.serializers import codecs as faust_codecs
 from faust.streams import current_event
 
 from spanrl.producers import claims
@@ -189,19 +190,43 @@ def _install_source_partition_transactions() -> None:
     TransactionManager.commit = commit
 
 
-class TransitionCodec(faust_codecs.Codec):
-    """Faust codec of the ``group-transitions`` table: a transition dict as its Avro
-    record (schemas/avro/transition.v2.avsc, ~1/3 of its JSON); reads the JSON values
-    that workers before this codec wrote to the changelog."""
+class TransitionStore(MutableMapping):
+    """The grouper's store of waiting transitions (stream_jobs/grouping.py): key -> transition
+    dict, held as its Avro record (schemas/avro/transition.v2.avsc, ~2.4 KB for 512 + 128
+    tokens; the decoded dict takes ~10x that in memory) and decoded when the group closes."""
 
-    def _dumps(self, obj: Any) -> bytes:
-        return codec.encode("transition", obj)
+    def __init__(self):
+        self.records: dict[str, bytes] = {}
+        self._source: tuple[dict, bytes] | None = None
 
-    def _loads(self, s: bytes) -> Any:
-        return json.loads(s) if s[:1] == b"{" else codec.decode("transition", s)
+    def put_record(self, key: str, value: bytes) -> None:
+        self.records[key] = value
 
+    def decoded_from(self, transition: dict, value: bytes) -> dict:
+        """Note that ``transition`` was decoded from the record ``value``: stored, it keeps
+        those bytes instead of being encoded again. Returns ``transition``."""
+        self._source = (transition, value)
+        return transition
 
-faust_codecs.register("spanrl_transition", TransitionCodec())
+    def __getitem__(self, key: str) -> dict:
+        return codec.decode("transition", self.records[key])
+
+    def __setitem__(self, key: str, transition: dict) -> None:
+        src = self._source
+        self.records[key] = src[1] if src is not None and src[0] is transition else codec.encode("transition", transition)
+
+    def __delitem__(self, key: str) -> None:
+        del self.records[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.records
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
 
 #: largest record any spanrl topic takes; Faust's producer refuses larger requests
 #: (its default, 1 MB, is below the topics' limit)
@@ -306,12 +331,29 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     # and decodes it on recovery with value_type: dict (not a faust.Record) fails there and
     # every changelog record was dropped, so value_type is None (json) or bytes (raw).
     rollouts = app.Table("rollouts", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
-    # call store values are assembly.encode_call bytes, written as they are
-    calls = app.Table("calls", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
+    # The calls' token data (assembly.encode_call bytes), per partition, in this worker's
+    # memory only: no changelog. Each call in the rollout state keeps its span's position
+    # (``at``), so a worker that recovers the state without the data (after a crash or a
+    # rebalance) re-reads them from spans when the attempt can end (advance_rollout). Before,
+    # a changelogged table held them: one 3 KB record per call and one tombstone, the
+    # largest share of the worker's produce traffic (BENCHMARKS.md, issue 11).
+    calls: dict[int, dict[str, bytes]] = {}
+
+    def call_data(partition: int) -> dict[str, bytes]:
+        return calls.setdefault(partition, {})
+
     groups = app.Table("groups", partitions=task_partitions, default=None, key_type=str, value_type=None)
-    group_transitions = app.Table("group-transitions", partitions=task_partitions, default=None,
-                                  key_type=str, value_type=None)
-    _use_value_serializer(group_transitions, "spanrl_transition")
+    # The transitions waiting in open groups, per partition, in this worker's memory only (as
+    # their Avro records, TransitionStore): the group state keeps each one's position on
+    # transitions, and a worker that restores a state without them re-reads them (group agent).
+    # Before, a changelogged table held them (a 2.4 KB record and a tombstone per transition).
+    waiting_transitions: dict[int, TransitionStore] = {}
+
+    def group_store(partition: int) -> "TransitionStore":
+        store = waiting_transitions.get(partition)
+        if store is None:
+            store = waiting_transitions[partition] = TransitionStore()
+        return store
     # trace join: state per trace id (json), and the records of orphans waiting for a link (raw)
     traces = app.Table("traces", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
     orphans = app.Table("orphans", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
@@ -402,24 +444,26 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         return assembly.restore_call(rid, aid, sid, span)
 
     async def advance_rollout(state: dict, now: int, pos: dict[str, int] | None) -> assembly.Outcome:
-        """assembly.advance (``pos``: the partition's positions, the emission rule); a parked
-        attempt with a final reward first gets its calls re-read from spans (inside this
-        event's transaction: what it emits commits with the event)."""
+        """assembly.advance (``pos``: the partition's positions, the emission rule). An attempt
+        that could end now but whose calls' token data are not in this worker's memory (a
+        parked attempt whose late reward came; calls handled by a worker that stopped, or
+        before a rebalance) first gets them re-read from spans, inside this event's
+        transaction: what it emits commits with the event."""
+        store = call_data(state["partition"])
         parked = state_parked(state)
-        wanted = assembly.parked_reads(state, calls, assembly_cfg)
-        if not wanted:
-            out = assembly.advance(state, calls, assembly_cfg, now, pos)
-            counters["attempts_parked"] += max(0, state_parked(state) - parked)
-            return out
-        rid, restored = state["rollout_id"], {}
-        records = await spans_reader.read([tuple(at) for reads in wanted.values() for _, at in reads])
-        for aid, reads in wanted.items():
-            for sid, at in reads:
-                value = await reread_span(rid, aid, sid, records.get(tuple(at)))
-                if value is not None:
-                    restored[assembly.store_key(rid, aid, sid)] = value
-        counters["spans_reread"] += len(restored)
-        out = assembly.advance(state, assembly.WithRestored(calls, restored), assembly_cfg, now, pos)
+        wanted = assembly.missing_reads(state, store, assembly_cfg)
+        if wanted:
+            rid, n = state["rollout_id"], 0
+            records = await spans_reader.read([tuple(at) for reads in wanted.values() for _, at in reads])
+            for aid, reads in wanted.items():
+                for sid, at in reads:
+                    value = await reread_span(rid, aid, sid, records.get(tuple(at)))
+                    if value is not None:
+                        store[assembly.store_key(rid, aid, sid)] = value
+                        n += 1
+            counters["spans_reread"] += n
+        out = assembly.advance(state, store, assembly_cfg, now, pos)
+        counters["attempts_parked"] += max(0, state_parked(state) - parked)
         counters["late_rewards_emitted"] += len({t["attempt_id"] for t in out.transitions if t["late_reward"]})
         return out
 
@@ -536,7 +580,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                     await trace_links.send(key=link["trace_id"].encode(), value=codec.encode("trace_link", link))
                     counters["trace_links_out"] += 1
             if record_type == "span":
-                out = assembly.add_span(state, record, calls, assembly_cfg, now,
+                out = assembly.add_span(state, record, call_data(p), assembly_cfg, now,
                                         at=(msg.topic, msg.partition, msg.offset))
             elif record_type == "reward":
                 if record.get("final", True):  # for the reward -> transition histogram (/metrics)
@@ -568,8 +612,28 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             note_waiting(p, rid, state)
             await emit(out)
 
+    async def reread_transitions(state: dict) -> "TransitionStore":
+        """The state's partition's transition store, with every waiting transition of
+        ``state`` this worker does not hold re-read from the transitions topic (after a restart
+        or rebalance; a transition that cannot be read back stays missing: grouping
+        dead-letters its attempt ``transitions_missing``)."""
+        store = group_store(state["partition"])
+        wanted = grouping.missing_reads(state, store)
+        if wanted:
+            records = await spans_reader.read([tuple(at) for _, at in wanted])
+            for key, at in wanted:
+                value = records.get(tuple(at))
+                try:
+                    tr = grouping.restore_transition(key, codec.decode("transition", value)) if value else None
+                except codec.SchemaError:
+                    tr = None
+                if tr is not None:
+                    store.put_record(key, value)
+                    counters["transitions_reread"] += 1
+        return store
+
     async def _tick_group(tid: str, state: dict, now: int) -> None:
-        out = grouping.advance(state, group_transitions, grouping_cfg, now)
+        out = grouping.advance(state, await reread_transitions(state), grouping_cfg, now)
         if out.samples or out.dead_letters:
             put_group(tid, state)
             await send_samples(out.samples)
@@ -590,7 +654,10 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
                                 msg, msg.value)
                 continue
             state = groups.get(tr["task_id"]) or grouping.new_state(tr["task_id"], msg.partition)
-            out = grouping.add_transition(state, tr, group_transitions, grouping_cfg, now)
+            store = await reread_transitions(state)
+            out = grouping.add_transition(state, store.decoded_from(tr, msg.value), store, grouping_cfg, now,
+                                          at=(msg.topic, msg.partition, msg.offset))
+            store.decoded_from(None, b"")
             put_group(tr["task_id"], state)
             await send_samples(out.samples)
             await send_dead(out.dead_letters)
@@ -683,6 +750,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         for tp in revoked:
             positions.pop(tp.partition, None)
             waiting.pop(tp.partition, None)
+            calls.pop(tp.partition, None)  # the next owner re-reads what it needs from spans
+            waiting_transitions.pop(tp.partition, None)  # ... and from transitions
             rollout_index.forget(tp.partition)
             group_index.forget(tp.partition)
         await spans_reader.stop()
@@ -702,7 +771,9 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             # late rewards: attempts parked (this process), parked calls re-read, late emissions,
             # and the call store's size now (what the worker holds in memory of token data)
             "attempts_parked": counters["attempts_parked"], "spans_reread": counters["spans_reread"],
-            "late_rewards_emitted": counters["late_rewards_emitted"], "calls_held": len(calls),
+            "late_rewards_emitted": counters["late_rewards_emitted"], "calls_held": sum(map(len, calls.values())),
+            "transitions_held": sum(map(len, waiting_transitions.values())),
+            "transitions_reread": counters["transitions_reread"],
         })
 
     @app.page("/metrics")
@@ -723,23 +794,6 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     app.spanrl_config = cfg  # for introspection in tests
     return app
-
-
-def _use_value_serializer(table, serializer: str) -> None:
-    """Encode and decode ``table``'s changelog with ``serializer``.
-
-    Faust gotcha (faust-streaming 0.15): a Table derives its value serializer from its
-    value_type, and ``app.Table`` already made its changelog topic with that one (the table
-    manager reads ``table.changelog_topic`` when the table is added). Setting
-    ``table.value_serializer`` afterwards changes how changelog records are *written* but
-    not how recovery *reads* them (the changelog topic's own serializer, cloned for the
-    recovery consumer): every record of the table failed to decode on a restart ("Error in
-    recovery 'utf-8' codec can't decode"), the table came back empty, and the grouper
-    crashed on every group close that needed one of its transitions (`make test`, worker
-    fault: 12 transitions in no sample). Both are set here.
-    """
-    table.value_serializer = serializer
-    table.changelog_topic.value_serializer = serializer
 
 
 async def _ticked(msg, now: int, ticks, clock: TimeoutClock, table, handle,

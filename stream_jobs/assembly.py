@@ -2,9 +2,14 @@
 
 Pure state logic (no Faust). One state dict per ``rollout_id``, plain JSON so it can
 live in a Faust table; the bulky token ids of usable LLM calls live in a separate
-``store`` mapping (a dict in tests, a second Faust table in the app) so that a table
-update does not rewrite every call's tokens. A store value is compact bytes
-(:func:`encode_call`: int32 token ids, float32 log-probs), written once per call.
+``store`` mapping (a dict: in the app, the worker's memory, with no changelog) so that a
+table update does not rewrite every call's tokens. A store value is compact bytes
+(:func:`encode_call`: int32 token ids, float32 log-probs), written once per call. Each
+call in the state keeps its span's position (``at``), so the store can always be rebuilt
+from the spans topic: an attempt that could end now but lacks token data (the worker that
+consumed its calls stopped, or lost the partition to a rebalance) is listed by
+:func:`missing_reads`, the app re-reads those spans into the store and then advances; a
+call that cannot be read back ends its attempt ``spans_missing``.
 
 An attempt (``attempt_id``) of a rollout is assembled on its own. Inputs may arrive in
 any order. An attempt ends, exactly once, in one of:
@@ -81,11 +86,10 @@ State fields this part keeps (other parts: leave them be):
 - ``ended_event_ms``: the ``timestamp_ms`` of the terminal lifecycle event (the
   producer's clock), for :func:`reward_delay_ms`.
 
-When the final reward of a parked attempt comes, the app asks :func:`parked_reads`
-which spans to read again, re-reads them from the spans topic (stream_jobs/app.py,
+When the final reward of a parked attempt comes, :func:`missing_reads` lists its selected
+calls, the app re-reads them from the spans topic (stream_jobs/app.py,
 stream_jobs/spans_reader.py), turns each into its store value with :func:`restore_call`
-and advances with the store seen through :class:`WithRestored` (the re-read data never
-enter the store): the transitions are then exactly those an on-time reward gives, with
+and advances: the transitions are then exactly those an on-time reward gives, with
 ``late_reward`` true and ``reward_delay_ms``; no settle wait (its spans were consumed
 long before). A selected call that could not be re-read (its record deleted by the
 topic's retention, or no longer the span it was) -> dead letter ``late_spans_missing``
@@ -583,6 +587,12 @@ def _advance_attempt(rid: str, aid: str, a: dict, store: MutableMapping,
         return out  # some of its spans/rewards may be unread yet: never emit early
     if consumed is None and now_ms - a["ready_ms"] < config.settle_s * 1000:
         return out
+    chosen = selected_calls(a, config.agents)
+    missing = [sid for sid in chosen if store_key(rid, aid, sid) not in store]
+    if missing:  # the app re-read them (missing_reads) and some could not be read back
+        return dead(dl.SPANS_MISSING, f"{len(missing)} of {len(chosen)} calls' token data were lost with a "
+                    f"worker and could not be re-read from spans (deleted by retention, or no longer the "
+                    f"span recorded): {', '.join(missing[:8])}")
     return _emit(rid, aid, a, R, store, config, now_ms, out, dead, "inputs_bound" if consumed else "settle_s")
 
 
@@ -632,21 +642,27 @@ def park(rid: str, aid: str, a: dict, store: MutableMapping, now_ms: int) -> Non
             store.pop(store_key(rid, aid, sid), None)
 
 
-def parked_reads(state: dict, store: MutableMapping, config: AssemblyConfig) -> dict[str, list[tuple[str, list]]]:
+def missing_reads(state: dict, store: MutableMapping, config: AssemblyConfig) -> dict[str, list[tuple[str, list]]]:
     """The spans to re-read before :func:`advance`: attempt_id -> [(span_id, [topic, partition,
-    offset]), ...] (call order) of every parked, unfinished attempt that has a final reward
-    now, for its selected calls whose token data are not in ``store``. Empty almost always."""
+    offset]), ...] (call order) of every unfinished attempt that could end now, a terminal
+    status (or parked) and a final reward, for its calls that know their span's position
+    (``at``) and whose token data are not in ``store``. Two cases: a parked attempt whose late
+    reward came (its selected calls), and an attempt whose calls were handled by a worker that
+    has since stopped or lost the partition (the app keeps token data in memory only; the state
+    with the positions is what the changelog restores: every such call). Empty almost always."""
     wanted: dict[str, list[tuple[str, list]]] = {}
     rid = state["rollout_id"]
     for aid, a in sorted(state["attempts"].items()):
-        if a["done"] is not None or a.get("parked_ms") is None:
+        parked = a.get("parked_ms") is not None
+        if a["done"] is not None or not (parked or a["status"] in TERMINAL):
             continue
         try:
             if episode_return(a["rewards"]) is None:
                 continue
         except InvalidReward:
             continue
-        reads = [(sid, a["calls"][sid]["at"]) for sid in selected_calls(a, config.agents)
+        sids = selected_calls(a, config.agents if parked else None)
+        reads = [(sid, a["calls"][sid]["at"]) for sid in sids
                  if store_key(rid, aid, sid) not in store and a["calls"][sid].get("at") is not None]
         if reads:
             wanted[aid] = reads
@@ -668,39 +684,6 @@ def restore_call(rid: str, aid: str, sid: str, span: dict) -> bytes | None:
         return encode_call(llm)
     except OverflowError:
         return None
-
-
-class WithRestored(MutableMapping):
-    """``store`` seen with the re-read calls ``restored`` (store key -> value) in front: reads
-    find ``restored`` first, deletes remove from both, writes go to ``store``. What the app
-    passes to :func:`advance` while it handles a late reward, so that the re-read token data
-    never enter the store (a Faust table and its changelog)."""
-
-    def __init__(self, store: MutableMapping, restored: dict):
-        self.store, self.restored = store, restored
-
-    def __getitem__(self, key):
-        return self.restored[key] if key in self.restored else self.store[key]
-
-    def __contains__(self, key) -> bool:
-        return key in self.restored or key in self.store
-
-    def __setitem__(self, key, value) -> None:
-        self.store[key] = value
-
-    def __delitem__(self, key) -> None:
-        found = self.restored.pop(key, None) is not None
-        if key in self.store:
-            del self.store[key]
-        elif not found:
-            raise KeyError(key)
-
-    def __iter__(self):
-        yield from self.restored
-        yield from (k for k in self.store if k not in self.restored)
-
-    def __len__(self) -> int:
-        return len(self.restored) + sum(1 for k in self.store if k not in self.restored)
 
 
 def reward_delay_ms(a: dict) -> int | None:

@@ -17,6 +17,7 @@ NO_REWARD_BEFORE_TIMEOUT = "no_reward_before_timeout"   # succeeded, no final re
 ROLLOUT_FAILED_NO_REWARD = "rollout_failed_no_reward"   # failed/timeout, no final reward in time
 NO_REWARD_BEFORE_WINDOW = "no_reward_before_window"     # parked attempt, no final reward within the reward window
 LATE_SPANS_MISSING = "late_spans_missing"      # late final reward, but a parked call's span could not be re-read
+SPANS_MISSING = "spans_missing"                # a call's token data left with a stopped worker and its span could not be re-read
 ROLLOUT_TIMEOUT = "rollout_timeout"            # no terminal lifecycle event in time
 UNKNOWN_ROLLOUT = "unknown_rollout"            # timed out having seen no lifecycle event and no llm call
 LATE_SPAN = "late_span"                        # llm call of an attempt already emitted/dead-lettered
@@ -27,6 +28,7 @@ NO_ROLLOUT_ID = "no_rollout_id"                # orphan span: no proxy call of i
 GROUP_INCOMPLETE = "group_incomplete"          # rollout still incomplete when its group closed
 SUPERSEDED_ATTEMPT = "superseded_attempt"      # another attempt of the same rollout is in the group
 GROUP_CLOSED = "group_closed"                  # transition of a rollout whose group already closed
+TRANSITIONS_MISSING = "transitions_missing"    # a waiting transition left with a stopped worker and could not be re-read
 # --- trainer (stage "trainer") ---
 STALE_SAMPLE = "stale_sample"                  # behaviour version lags the trained one by > max_staleness
 

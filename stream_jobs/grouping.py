@@ -1,7 +1,13 @@
 """Per-task grouping: transitions of a task's rollouts -> GRPO samples.
 
 Pure state logic (no Faust). One state dict per ``task_id`` (plain JSON, for a Faust
-table); the transitions themselves wait in a separate ``store`` mapping.
+table); the transitions themselves wait in a separate ``store`` mapping (a dict: in the app,
+the worker's memory, with no changelog). Each waiting transition's member entry keeps the
+position of its record on the transitions topic (``m["at"][span_id] = [topic, partition,
+offset]``), so a worker that restores the state without the transitions (after a restart or a
+rebalance) re-reads them (:func:`missing_reads`) before it adds to or closes the group; a
+transition that cannot be read back -> dead letter ``transitions_missing`` for its rollout's
+attempt (its samples would not be the ones the group owes), never a crash.
 
 LightningRL (arXiv 2508.03680) s3.3: the transitions of several runs of the same task
 form a group and GRPO normalises the episode returns inside it, so every call of
@@ -85,9 +91,61 @@ def store_key(task_id: str, rollout_id: str, attempt_id: str, span_id: str) -> s
     return f"{task_id}|{rollout_id}|{attempt_id}|{span_id}"
 
 
+def missing_reads(state: dict, store: MutableMapping) -> list[tuple[str, list]]:
+    """The transitions to re-read before this state is updated: [(store key, [topic,
+    partition, offset]), ...] of every waiting transition (open group's members, late
+    members) that knows its record's position and is not in ``store``. Empty except after
+    a restart or rebalance."""
+    tid, wanted = state["task_id"], []
+    entries = list(state["open"]["members"].values()) if state["open"] is not None else []
+    for m in entries + list(state.get("late", {}).values()):
+        at = m.get("at", {})
+        for s in m["spans"]:
+            key = store_key(tid, m["rollout_id"], m["attempt_id"], s)
+            if key not in store and at.get(s) is not None:
+                wanted.append((key, at[s]))
+    return wanted
+
+
+def restore_transition(key: str, transition: dict) -> dict | None:
+    """``transition`` (a re-read, decoded record) if it is the one stored under ``key``, else None."""
+    ids = (transition.get("task_id"), transition.get("rollout_id"), transition.get("attempt_id"),
+           transition.get("span_id"))
+    return transition if store_key(*ids) == key else None
+
+
+def _waiting(m: dict, transition: dict, store: MutableMapping, key: str, at) -> None:
+    m["spans"].append(transition["span_id"])
+    if at is not None:
+        m.setdefault("at", {})[transition["span_id"]] = list(at)
+    store[key] = transition
+
+
+def _held(tid: str, m: dict, store: MutableMapping, pop: bool = False) -> list[tuple[str, dict | None]]:
+    """[(span id, its transition or None when not held), ...] of a member entry."""
+    get = store.pop if pop else store.get
+    return [(s, get(store_key(tid, m["rollout_id"], m["attempt_id"], s), None)) for s in m["spans"]]
+
+
+def _missing_dead(tid: str, m: dict, held: list[tuple[str, dict | None]], now_ms: int) -> list[dict]:
+    """Dead letters ``transitions_missing`` for every transition of member ``m`` (payload: the
+    transition where it is held)."""
+    lost = [s for s, tr in held if tr is None]
+    why = (f"{len(lost)} of {len(held)} transitions of this attempt could not be re-read from "
+           f"transitions after a restart: {', '.join(lost[:8])}")
+    out = []
+    for s, tr in held:
+        tr = tr or {"rollout_id": m["rollout_id"], "task_id": tid, "attempt_id": m["attempt_id"], "span_id": s}
+        out.append(dl.dead_letter(dl.TRANSITIONS_MISSING, dl.GROUPER, now_ms, rollout_id=m["rollout_id"],
+                                  task_id=tid, detail=f"attempt {m['attempt_id']} span {s}: {why}",
+                                  payload=codec.encode("transition", tr) if "episode_return" in tr else None))
+    return out
+
+
 def add_transition(state: dict, transition: dict, store: MutableMapping,
-                   config: GroupingConfig, now_ms: int) -> GroupOutcome:
-    """Add one transition (a decoded transition); closes the group when it is full."""
+                   config: GroupingConfig, now_ms: int, at: tuple[str, int, int] | None = None) -> GroupOutcome:
+    """Add one transition (a decoded transition); closes the group when it is full. ``at``:
+    (topic, partition, offset) of its record, kept so that it can be re-read."""
     tid, rid, aid, sid = (transition["task_id"], transition["rollout_id"],
                           transition["attempt_id"], transition["span_id"])
     if sid in state.get("closed_spans", ()):
@@ -97,7 +155,7 @@ def add_transition(state: dict, transition: dict, store: MutableMapping,
                                                 "its group already closed")])
     if f"{rid}|{aid}" in state.get("late", {}) or (
             state["open"] is None and transition.get("late_reward") and late_group(state, config, now_ms)):
-        return add_late_member(state, transition, store, config, now_ms)
+        return add_late_member(state, transition, store, config, now_ms, at)
     g = state["open"]
     if g is None:
         g = state["open"] = {"opened_ms": now_ms, "group_size": max(1, int(transition["group_size"])),
@@ -107,8 +165,7 @@ def add_transition(state: dict, transition: dict, store: MutableMapping,
         "spans": [], "episode_return": float(transition["episode_return"]), "completed": None})
     if sid in m["spans"]:
         return GroupOutcome()  # re-delivered transition: counted once
-    m["spans"].append(sid)
-    store[store_key(tid, rid, aid, sid)] = transition
+    _waiting(m, transition, store, store_key(tid, rid, aid, sid), at)
     if m["completed"] is None and len(m["spans"]) >= m["count"]:
         m["completed"] = g["completions"]  # completion order decides between attempts
         g["completions"] += 1
@@ -124,10 +181,13 @@ def advance(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: 
     for key in sorted(state.get("late", {})):
         m = state["late"][key]
         if now_ms - m["first_ms"] >= config.group_timeout_s * 1000:
-            for s in m["spans"]:
-                out.dead_letters.append(_dead(dl.GROUP_INCOMPLETE, store.pop(store_key(
-                    state["task_id"], m["rollout_id"], m["attempt_id"], s)), now_ms,
-                    f"late member: {len(m['spans'])}/{m['count']} transitions in {config.group_timeout_s:g}s"))
+            held = _held(state["task_id"], m, store, pop=True)
+            if any(tr is None for _, tr in held):
+                out.dead_letters += _missing_dead(state["task_id"], m, held, now_ms)
+            else:
+                for _, tr in held:
+                    out.dead_letters.append(_dead(dl.GROUP_INCOMPLETE, tr, now_ms, f"late member: "
+                                                  f"{len(m['spans'])}/{m['count']} transitions in {config.group_timeout_s:g}s"))
             del state["late"][key]
     g = state["open"]
     if g is not None and now_ms - g["opened_ms"] >= config.group_timeout_s * 1000:
@@ -157,7 +217,7 @@ def late_group(state: dict, config: GroupingConfig, now_ms: int) -> dict | None:
 
 
 def add_late_member(state: dict, transition: dict, store: MutableMapping, config: GroupingConfig,
-                    now_ms: int) -> GroupOutcome:
+                    now_ms: int, at: tuple[str, int, int] | None = None) -> GroupOutcome:
     """Add a transition of a late member; its samples once its rollout is complete."""
     tid, rid, aid, sid = (transition["task_id"], transition["rollout_id"],
                           transition["attempt_id"], transition["span_id"])
@@ -167,16 +227,20 @@ def add_late_member(state: dict, transition: dict, store: MutableMapping, config
         "spans": [], "episode_return": float(transition["episode_return"]), "first_ms": now_ms})
     if sid in m["spans"]:
         return GroupOutcome()
-    m["spans"].append(sid)
-    store[store_key(tid, rid, aid, sid)] = transition
+    _waiting(m, transition, store, store_key(tid, rid, aid, sid), at)
     if len(m["spans"]) < m["count"]:
         return GroupOutcome()
     out = GroupOutcome()
+    held = _held(tid, m, store, pop=True)
+    if any(tr is None for _, tr in held):
+        del state["late"][key]
+        out.dead_letters += _missing_dead(tid, m, held, now_ms)
+        return out
     g = state["last_closed"]
     returns = [*g["returns"], m["episode_return"]]
     adv = late_member_advantage(g["returns"], m["episode_return"], config.eps)
     mean, std = group_stats(returns)
-    calls = [store.pop(store_key(tid, rid, aid, s)) for s in m["spans"]]
+    calls = [tr for _, tr in held]
     for tr in sorted(calls, key=lambda t: t["call_index"]):
         out.samples.append({"schema_version": SAMPLE_VERSION, "transition": tr, "advantage": adv, "group_id": g["group_id"],
                             "group_rollouts": len(returns), "group_mean": mean, "group_std": std})
@@ -206,6 +270,9 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
         return out
     tid = state["task_id"]
     members = sorted(_complete_rollouts(g).values(), key=lambda m: (m["rollout_id"], m["attempt_id"]))
+    held = {(m["rollout_id"], m["attempt_id"]): _held(tid, m, store) for m in g["members"].values()}
+    lost = {k for k, h in held.items() if any(tr is None for _, tr in h)}
+    members = [m for m in members if (m["rollout_id"], m["attempt_id"]) not in lost]
     chosen = {(m["rollout_id"], m["attempt_id"]) for m in members}
     if members:
         returns = [m["episode_return"] for m in members]
@@ -217,7 +284,7 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
         state["last_closed"] = None if len(members) >= g["group_size"] else {
             "group_id": group_id, "closed_ms": now_ms, "group_size": g["group_size"], "returns": returns}
         for m, adv in zip(members, advantages):
-            calls = [store[store_key(tid, m["rollout_id"], m["attempt_id"], s)] for s in m["spans"]]
+            calls = [tr for _, tr in held[(m["rollout_id"], m["attempt_id"])]]
             for tr in sorted(calls, key=lambda t: t["call_index"]):
                 out.samples.append({
                     "schema_version": codec.latest_version("sample"), "transition": tr, "advantage": adv,
@@ -228,13 +295,15 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
         m = g["members"][key]
         if (m["rollout_id"], m["attempt_id"]) in chosen:
             continue
+        if (m["rollout_id"], m["attempt_id"]) in lost:
+            out.dead_letters += _missing_dead(tid, m, held[(m["rollout_id"], m["attempt_id"])], now_ms)
+            continue
         if m["completed"] is None:
             reason, why = dl.GROUP_INCOMPLETE, f"{len(m['spans'])}/{m['count']} transitions at close"
         else:
             reason, why = dl.SUPERSEDED_ATTEMPT, "another attempt of this rollout is in the group"
-        for s in m["spans"]:
-            out.dead_letters.append(_dead(reason, store[store_key(tid, m["rollout_id"], m["attempt_id"], s)],
-                                          now_ms, why))
+        for _, tr in held[(m["rollout_id"], m["attempt_id"])]:
+            out.dead_letters.append(_dead(reason, tr, now_ms, why))
     for m in g["members"].values():
         for s in m["spans"]:
             store.pop(store_key(tid, m["rollout_id"], m["attempt_id"], s), None)

@@ -26,6 +26,8 @@ WORKER_COUNTERS = {
     "trace_links_in": "trace links consumed by the join",
     "orphans_in": "orphan spans (no rollout id) consumed by the join",
     "spans_joined": "orphan spans joined to a rollout and sent to spans",
+    "spans_reread": "calls whose token data were re-read from spans (late rewards; after a restart or rebalance)",
+    "transitions_reread": "waiting transitions re-read from transitions after a restart or rebalance",
 }
 
 

@@ -235,7 +235,8 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
                         "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 0,
                         # no terminal event says inputs_acked: all let out by the settle time
                         "inputs_bounds_read": 0, "emitted_by": {"settle_s": 4},
-                        "attempts_parked": 0, "spans_reread": 0, "late_rewards_emitted": 0, "calls_held": 0}
+                        "attempts_parked": 0, "spans_reread": 0, "late_rewards_emitted": 0, "calls_held": 0,
+                        "transitions_held": 0, "transitions_reread": 0}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
@@ -457,10 +458,12 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
 
 
 def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
-    """SIGKILL the worker while a rollout's first call waits in its tables, and a span without
-    rollout id waits in the trace join's; the next worker (same app id) restores the tables
-    from their changelogs, emits both calls, and joins the span when the second call (same
-    trace) comes."""
+    """SIGKILL the worker while a rollout's first call waits in its state (its token data in
+    the worker's memory only), and a span without rollout id waits in the trace join's tables;
+    the next worker (same app id) restores the tables from their changelogs, re-reads the first
+    call's token data from spans at the position its state kept, emits both calls, and joins the
+    span when the second call (same trace) comes. A transition waiting in an open group (held in
+    memory only) is re-read from transitions, and the group closes with it."""
     suffix = uuid.uuid4().hex[:8]
     names, app_id = _names(suffix), f"sjtest-stream-{suffix}"
     asyncio.run(_admin("create", names))
@@ -470,6 +473,13 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
                                "trace_id": trace, "parent_span_id": "cd" * 8})
     orphan = codec.encode("span", {**_span("", 0, "cd" * 8, kind="agent"), "attempt_id": "", "trace_id": trace,
                                    "sequence_id": -1, "agent_name": "planner"})
+    def grouped(rid, R):  # a transition of a group of 2 whose other member comes after the restart
+        return (names["transitions"], "tgrp", codec.encode("transition", {
+            "rollout_id": rid, "attempt_id": "a0", "span_id": f"{rid}-s", "task_id": "tgrp", "group_size": 2,
+            "sequence_id": 0, "call_index": 0, "rollout_transition_count": 1, "agent_name": None, "model": "m",
+            "policy_version": 0, "prompt_token_ids": [1, 2], "completion_token_ids": [3], "behaviour_logprobs": [-0.5],
+            "episode_return": R, "reward": R, "credit_rule": "identical", "status": "succeeded"}))
+
     log = tmp_path / "worker.log"
     web_port = _free_port()
     # the orphan must outlive the restart (the killed worker's membership expires after ~60 s)
@@ -477,26 +487,30 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
     try:
         _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
         asyncio.run(_produce([_lifecycle(names, rid, "started", 2), (names["spans"], rid, c0),
-                              (names["orphan-spans"], trace, orphan)]))
+                              (names["orphan-spans"], trace, orphan), grouped("g1", 1.0)]))
         deadline = time.monotonic() + 30
         while (asyncio.run(_committed(app_id, names["spans"])) < 1
-               or asyncio.run(_committed(app_id, names["orphan-spans"])) < 1) and time.monotonic() < deadline:
+               or asyncio.run(_committed(app_id, names["orphan-spans"])) < 1
+               or asyncio.run(_committed(app_id, names["transitions"])) < 1) and time.monotonic() < deadline:
             time.sleep(0.2)  # the transaction with the span's offset (and its table writes) committed
-        assert (_counters(web_port)["spans_in"], _counters(web_port)["orphans_in"]) == (1, 1)
+        before = _counters(web_port)
+        assert (before["spans_in"], before["orphans_in"], before["calls_held"], before["transitions_held"]) == (
+            1, 1, 1, 1)
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         web_port = _free_port()
         worker = _start_worker(names, app_id, web_port, log, SPANRL_ORPHAN_TIMEOUT_S="600")
         _wait_http(f"http://127.0.0.1:{web_port}/spanrl/health/", worker)
         asyncio.run(_produce([(names["spans"], rid, c1), _lifecycle(names, rid, "succeeded", 2),
-                              _reward(names, rid, 0.5)]))
-        got = asyncio.run(_read(names, ("spans", "transitions", "dead-letter"), lambda g: len(g["transitions"]) >= 2
-                                and any(sp["source"] == "otlp" for sp in g["spans"]), 90))
+                              _reward(names, rid, 0.5), grouped("g2", 0.0)]))
+        got = asyncio.run(_read(names, ("spans", "transitions", "samples", "dead-letter"),
+                                lambda g: len([t for t in g["transitions"] if t["rollout_id"] == rid]) >= 2
+                                and any(sp["source"] == "otlp" for sp in g["spans"]) and len(g["samples"]) >= 2, 90))
         counters = _counters(web_port)
     finally:
         _stop_and_delete([worker], names, app_id)
     worker_log = log.read_text(errors="replace")[-3000:]
-    trs = got["transitions"]
+    trs = [t for t in got["transitions"] if t["rollout_id"] == rid]
     assert [(t["span_id"], t["call_index"], t["rollout_transition_count"]) for t in trs] == [
         ("c0", 0, 2), ("c1", 1, 2)], (got["dead-letter"], worker_log)
     assert [(t["prompt_token_ids"], t["completion_token_ids"]) for t in trs] == [
@@ -507,11 +521,15 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
     assert (joined["rollout_id"], joined["attempt_id"], joined["span_id"], joined["agent_name"]) == (
         rid, "a0", "cd" * 8, "planner")
     assert counters["spans_joined"] == 1 and counters["trace_links_out"] == 1
-    # c0 (offset 0, committed before the kill) is not consumed again: it came from the
-    # calls changelog. (Inputs that arrive while the worker recovers may be handled twice:
+    # c0 (offset 0, committed before the kill) is not consumed again: its state came from the
+    # rollouts changelog, its token data from one re-read of its span. (Inputs that arrive while the worker recovers may be handled twice:
     # Faust resumes stream partitions before seeking them to the committed offsets; the
     # assembler's state is idempotent to that.)
-    assert counters["transitions_out"] == 2
+    assert counters["transitions_out"] == 2 and counters["spans_reread"] == 1
+    # g1's transition waited in the open group across the kill: re-read from transitions, the group closed
+    assert sorted((s["transition"]["rollout_id"], s["advantage"] > 0, s["group_id"]) for s in got["samples"]) == [
+        ("g1", True, "tgrp/0"), ("g2", False, "tgrp/0")]
+    assert counters["transitions_reread"] == 1
 
 
 def _start_service(module: str, port: int, prefix: str, log_path: Path, *args: str) -> subprocess.Popen:
@@ -672,8 +690,8 @@ def test_acked_terminal_event_is_emitted_without_the_settle_wait(tmp_path, kafka
 
 def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_minio, settings):
     """Late rewards (stream_jobs/assembly.py): a worker with SPANRL_REWARD_TIMEOUT_S=2 parks
-    three ended attempts without a reward (their token data leave the calls table: tombstones
-    on its changelog, calls_held 0); then rlate's reward comes: its spans are re-read from
+    three ended attempts without a reward (their token data leave the worker's memory:
+    calls_held 0); then rlate's reward comes: its spans are re-read from
     the spans topic (one of them a claim record, resolved from MinIO again) and its
     transitions carry the spans' token ids, late_reward and reward_delay_ms; rgone's span
     was deleted meanwhile (DeleteRecords, what retention does) -> late_spans_missing;
@@ -705,20 +723,6 @@ def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_min
         finally:
             await producer.stop()
 
-    async def changelog(topic):
-        consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap, group_id=None,
-                                    auto_offset_reset="earliest", isolation_level="read_committed",
-                                    max_partition_fetch_bytes=8 << 20)
-        await consumer.start()
-        try:
-            rows = []
-            for _ in range(6):
-                for msgs in (await consumer.getmany(timeout_ms=500)).values():
-                    rows += [(json.loads(m.key), m.value) for m in msgs]  # str keys: JSON
-            return rows
-        finally:
-            await consumer.stop()
-
     web_port = _free_port()
     worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log", SPANRL_REWARD_TIMEOUT_S="2",
                            SPANRL_REWARD_WINDOW_S="25")
@@ -735,7 +739,6 @@ def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_min
         while _counters(web_port)["attempts_parked"] < 3 and time.monotonic() < deadline:
             time.sleep(0.5)
         parked = _counters(web_port)
-        held = asyncio.run(changelog(f"{app_id}-calls-changelog"))
         asyncio.run(_delete_records(TopicPartition(sp, gone.partition), gone.offset + 1))
         reward_ms = int(time.time() * 1000)
         asyncio.run(produce([(names["rewards"], rid, codec.encode("reward", {
@@ -749,14 +752,8 @@ def test_late_reward_parks_the_attempt_and_rereads_its_spans(tmp_path, kafka_min
         minio.remove_object(settings.payload_bucket, claim_key)
     worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
 
-    # parked: no token data held; each call's store entry was written, then deleted (a tombstone)
+    # parked: no token data held (they were in the worker's memory only, never in a changelog)
     assert (parked["attempts_parked"], parked["calls_held"]) == (3, 0), (parked, worker_log)
-    last = {}
-    for key, value in held:
-        last.setdefault(key, []).append(value)
-    assert {k: [v is None for v in vs] for k, vs in last.items()} == {
-        f"{rid}|a0|{sid}": [False, True] for rid, sid in (("rgone", "g0"), ("rlate", "l0"), ("rlate", "l1"),
-                                                         ("rnever", "n0"))}
 
     # the late reward: transitions exactly from the spans (the claim resolved again), marked late
     trs = sorted(got["transitions"], key=lambda t: t["call_index"])

@@ -195,3 +195,84 @@ def test_late_member_advantage():
     assert grouping.late_member_advantage([1.0], 1.0) == 0.0  # G=[1,1]: std 0, no signal
     with pytest.raises(ValueError):
         grouping.late_member_advantage([], 1.0)
+
+
+# --- waiting transitions lost with a worker (the app holds them in memory only; the state keeps
+# --- each one's position on transitions, stream_jobs/grouping.py)
+
+def fed_with_positions(records, offset0=100):
+    """State and store after ``records``, each at transitions[2]@offset0+i; the log of them."""
+    state, store, log = grouping.new_state("t1", 2), {}, {}
+    for i, r in enumerate(records):
+        at = ("transitions", 2, offset0 + i)
+        log[at] = r
+        assert grouping.add_transition(state, r, store, CFG, 0, at=at).dead_letters == []
+    return state, store, log
+
+
+def restarted(state):
+    import json
+    return json.loads(json.dumps(state)), {}
+
+
+def reread(state, store, log):
+    """What the app does before each update (stream_jobs/app.py reread_transitions)."""
+    for key, at in grouping.missing_reads(state, store):
+        found = log.get(tuple(at))
+        if found is not None and grouping.restore_transition(key, found) is not None:
+            store[key] = found
+    return store
+
+
+def test_a_restored_group_rereads_its_transitions_and_closes_as_before():
+    records = [tr("r1", 0, 1.0), tr("r2", 0, 0.0), tr("r1", 1, 1.0)]
+    expected = feed(*fed_with_positions(records)[:2], [tr("r2", 1, 0.0)]).samples
+    state, store, log = fed_with_positions(records)
+    assert grouping.missing_reads(state, store) == []
+    state, store = restarted(state)
+    assert grouping.missing_reads(state, store) == [
+        ("t1|r1|a0|r1-a0-0", ["transitions", 2, 100]), ("t1|r1|a0|r1-a0-1", ["transitions", 2, 102]),
+        ("t1|r2|a0|r2-a0-0", ["transitions", 2, 101])]
+    out = grouping.add_transition(state, tr("r2", 1, 0.0), reread(state, store, log), CFG, 0,
+                                  at=("transitions", 2, 103))
+    assert out.samples == expected and out.dead_letters == [] and store == {}
+
+
+def test_a_transition_that_cannot_be_reread_dead_letters_its_attempt_not_the_group():
+    records = [tr("r1", 0, 1.0, group_size=3), tr("r1", 1, 1.0, group_size=3), tr("r2", 0, 0.0, group_size=3),
+               tr("r2", 1, 0.0, group_size=3), tr("r3", 0, 0.5, group_size=3)]
+    state, store, log = fed_with_positions(records)
+    state, store = restarted(state)
+    del log[("transitions", 2, 101)]  # r1's second transition: gone
+    out = grouping.add_transition(state, tr("r3", 1, 0.5, group_size=3), reread(state, store, log), CFG, 0)
+    # r2 and r3 are the group (returns 0.0, 0.5); r1's two transitions are dead letters
+    assert [(s["transition"]["span_id"], s["group_rollouts"]) for s in out.samples] == [
+        ("r2-a0-0", 2), ("r2-a0-1", 2), ("r3-a0-0", 2), ("r3-a0-1", 2)]
+    a = 0.25 / (0.25 + EPS)
+    assert [s["advantage"] for s in out.samples] == [-a, -a, a, a]
+    assert [(d["reason"], d["detail"], d["payload"] is not None) for d in out.dead_letters] == [
+        ("transitions_missing", f"attempt a0 span r1-a0-{i}: 1 of 2 transitions of this attempt could not be "
+                                "re-read from transitions after a restart: r1-a0-1", i == 0) for i in (0, 1)]
+    assert store == {} and state["open"] is None
+
+
+def test_a_record_that_is_another_transition_is_not_restored():
+    assert grouping.restore_transition("t1|r1|a0|r1-a0-0", tr("r1", 0, 1.0)) is not None
+    assert grouping.restore_transition("t1|r1|a0|r1-a0-0", tr("r1", 1, 1.0)) is None
+    assert grouping.restore_transition("t1|r1|a0|r1-a0-0", tr("r1", 0, 1.0, task="t2")) is None
+
+
+def test_the_apps_transition_store_holds_avro_records():
+    from spanrl.stream_jobs.app import TransitionStore
+
+    store, t = TransitionStore(), tr("r1", 0, 1.0)
+    store["k"] = t
+    assert store.records["k"][:1] == bytes([codec.MAGIC]) and store["k"] == t and "k" in store and len(store) == 1
+    store.put_record("j", codec.encode("transition", tr("r2", 0, 0.0)))
+    assert store.pop("j")["rollout_id"] == "r2" and store.pop("j", None) is None and list(store) == ["k"]
+    raw = codec.encode("transition", tr("r3", 0, 0.0))
+    decoded = store.decoded_from(codec.decode("transition", raw), raw)
+    store["i"] = decoded  # the record it came from is kept as it is, not encoded again
+    assert store.records["i"] is raw
+    store["h"] = dict(decoded)  # another dict: encoded
+    assert store.records["h"] is not raw and store["h"] == decoded

@@ -43,17 +43,16 @@ def ended_attempt():
 
 
 def reread(state, store, log=LOG):
-    """What the app does before advance: re-read the wanted spans (from ``log``) into a
-    WithRestored view of the store."""
-    restored = {}
-    for aid, reads in assembly.parked_reads(state, store, CFG).items():
+    """What the app does before advance (stream_jobs/app.py advance_rollout): re-read the
+    wanted spans (from ``log``) into the store; returns the store."""
+    for aid, reads in assembly.missing_reads(state, store, CFG).items():
         for sid, (topic, p, off) in reads:
             assert topic == TOPIC
             if (p, off) in log:
                 value = assembly.restore_call("r1", aid, sid, log[(p, off)])
                 if value is not None:
-                    restored[assembly.store_key("r1", aid, sid)] = value
-    return assembly.WithRestored(store, restored)
+                    store[assembly.store_key("r1", aid, sid)] = value
+    return store
 
 
 def on_time():
@@ -78,12 +77,12 @@ def test_reward_two_hours_after_the_end_gives_the_on_time_transitions():
     assert store == {} and state["attempts"]["a0"]["parked_ms"] == 61 * S  # no token data held
     assert [c["at"] for c in state["attempts"]["a0"]["calls"].values()] == [
         [TOPIC, 2, 40], [TOPIC, 2, 41], [TOPIC, 2, 45]]
-    assert assembly.parked_reads(state, store, CFG) == {}  # nothing to read before a final reward
+    assert assembly.missing_reads(state, store, CFG) == {}  # nothing to read before a final reward
     assert assembly.advance(state, store, CFG, 1 * H).changed is False
 
     now = 1 * S + 2 * H
     assembly.add_reward(state, reward(0.75, END + 2 * H), now)
-    assert assembly.parked_reads(state, store, CFG) == {
+    assert assembly.missing_reads(state, store, CFG) == {
         "a0": [("c0", [TOPIC, 2, 40]), ("c1", [TOPIC, 2, 41]), ("c2", [TOPIC, 2, 45])]}
     out = assembly.advance(state, reread(state, store), CFG, now)  # no settle wait
     assert out.dead_letters == [] and store == {}
@@ -153,7 +152,7 @@ def test_a_call_without_a_position_keeps_its_tokens_while_parked():
     assembly.advance(state, store, CFG, 61 * S)
     assert list(store) == ["r1|a0|old"]
     assembly.add_reward(state, reward(1.0, END + 2 * H), 2 * H)
-    assert [sid for sid, _ in assembly.parked_reads(state, store, CFG)["a0"]] == ["c0", "c1", "c2"]
+    assert [sid for sid, _ in assembly.missing_reads(state, store, CFG)["a0"]] == ["c0", "c1", "c2"]
     out = assembly.advance(state, reread(state, store), CFG, 2 * H)
     assert [t["span_id"] for t in out.transitions] == ["c0", "c1", "c2", "old"] and store == {}
 
@@ -177,23 +176,60 @@ def test_reward_delay_ms():
     assert assembly.reward_delay_ms({**a, "ended_event_ms": None}) is None
 
 
-def test_with_restored_reads_front_first_and_deletes_from_both():
-    store = {"a": b"store-a", "b": b"store-b"}
-    view = assembly.WithRestored(store, {"a": b"front-a", "c": b"front-c"})
-    assert (view["a"], view["b"], view["c"]) == (b"front-a", b"store-b", b"front-c")
-    assert sorted(view) == ["a", "b", "c"] and len(view) == 3 and "c" in view and "d" not in view
-    view["d"] = b"new"
-    assert store["d"] == b"new"
-    del view["a"]
-    assert "a" not in store and "a" not in view
-    assert view.pop("c") == b"front-c" and view.pop("zz", None) is None
-    with pytest.raises(KeyError):
-        del view["zz"]
-
-
 def test_only_succeeded_attempts_park():
     cfg = assembly.AssemblyConfig(reward_timeout_s=10, reward_window_s=100)
     assert assembly.no_reward_wait(10_000, cfg, "succeeded") == "park"
     assert assembly.no_reward_wait(10_000, cfg, "failed") == "timeout"
     assert assembly.no_reward_wait(9_999, cfg, "timeout") == "wait"
     assert assembly.no_reward_wait(10_000, cfg, "timeout") == "timeout"
+
+
+# --- token data lost with a worker (the app keeps them in memory only; the state's positions
+# --- are what its changelog restores)
+
+def recovered(state):
+    """The state as the next worker restores it from the changelog: the same JSON, no token data."""
+    import json
+    return json.loads(json.dumps(state)), {}
+
+
+def test_a_recovered_attempt_rereads_every_call_when_it_can_end():
+    expected = on_time().transitions
+    state, store = ended_attempt()
+    state, store = recovered(state)
+    assert assembly.missing_reads(state, store, CFG) == {}  # terminal, but no final reward yet
+    assembly.add_reward(state, reward(0.75, END + 3 * S), 4 * S)
+    assert assembly.missing_reads(state, store, CFG) == {
+        "a0": [("c0", [TOPIC, 2, 40]), ("c1", [TOPIC, 2, 41]), ("c2", [TOPIC, 2, 45])]}
+    assert assembly.advance(state, reread(state, store), CFG, 4 * S).transitions == []  # settle wait
+    assert len(store) == 3 and assembly.missing_reads(state, store, CFG) == {}  # read once, kept
+    out = assembly.advance(state, store, CFG, 6 * S)
+    assert out.transitions == expected and out.dead_letters == [] and store == {}
+    assert out.emitted_by == ["settle_s"]
+
+
+def test_an_open_attempt_is_not_reread_before_its_terminal_event():
+    state, store = assembly.new_state("r1", 2), {}
+    for i, ((p, off), sp) in enumerate(LOG.items()):
+        assembly.add_span(state, sp, store, CFG, i * 100, at=(TOPIC, p, off))
+    assembly.add_rollout_event(state, lifecycle("started"), 0)
+    state, store = recovered(state)
+    assembly.add_reward(state, reward(0.75, END), 1 * S)
+    assert assembly.missing_reads(state, store, CFG) == {}  # it cannot end yet: nothing to read
+    assembly.add_rollout_event(state, lifecycle("succeeded"), 2 * S)
+    assert [sid for sid, _ in assembly.missing_reads(state, store, CFG)["a0"]] == ["c0", "c1", "c2"]
+
+
+def test_a_lost_call_that_cannot_be_reread_is_a_dead_letter():
+    state, store = ended_attempt()
+    state, store = recovered(state)
+    assembly.add_reward(state, reward(1.0, END + 3 * S), 4 * S)
+    kept = {k: v for k, v in LOG.items() if k != (2, 41)}
+    assert assembly.advance(state, reread(state, store, kept), CFG, 4 * S).dead_letters == []  # settle wait
+    assert [sid for sid, _ in assembly.missing_reads(state, store, CFG)["a0"]] == ["c1"]  # tried again
+    out = assembly.advance(state, reread(state, store, kept), CFG, 6 * S)
+    assert out.transitions == []
+    assert [(d["reason"], d["detail"]) for d in out.dead_letters] == [(
+        "spans_missing", "attempt a0: 1 of 3 calls' token data were lost with a worker and could not be "
+                         "re-read from spans (deleted by retention, or no longer the span recorded): c1")]
+    assert [a["outcome"] for a in out.accounts] == ["spans_missing"] and store == {}
