@@ -37,6 +37,7 @@ from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs import metrics as worker_metrics
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.ticking import TickIndex
+from spanrl.stream_jobs.waitlist import InputsWaitlist
 from spanrl.stream_jobs.air import parse_air_rules
 from spanrl.stream_jobs.spans_reader import SpansReader
 from spanrl.stream_jobs.credit import parse_credit_rule
@@ -472,10 +473,11 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     roles = {cfg.spans_topic: "spans", cfg.rewards_topic: "rewards", cfg.rollouts_topic: "rollouts"}
     # The emission rule (assembly.inputs_consumed), in memory only: per partition the next
     # offset to process of each input topic (one past the last record handled), and the
-    # rollouts whose attempts wait for those positions to pass their inputs bound. After a
-    # rebalance both start empty; attempts then fall back to the settle_s grace.
+    # rollouts whose attempts wait for those positions to pass their inputs bound (a heap per
+    # role, stream_jobs/waitlist.py: O(1) per record instead of a scan of every waiting
+    # rollout). After a rebalance both start empty; attempts then fall back to the settle_s grace.
     positions: dict[int, dict[str, int]] = {}
-    waiting: dict[int, dict[str, dict[str, int]]] = {}
+    waiting: dict[int, InputsWaitlist] = {}
     plain: dict[str, Any] = {}  # non-transactional clients, made on first use
     rollout_index = TickIndex()  # the rollout states a tick visits (stream_jobs/ticking.py)
 
@@ -519,21 +521,21 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         await send_accounts(out.accounts)
 
     def note_waiting(partition: int, rid: str, state: dict) -> None:
+        """Called right after ``state`` was advanced with its partition's positions: it waits
+        for its attempts' inputs bound, unless those positions pass it already (then that
+        advance has seen them; what it still lacks, e.g. its reward, is an input of its own)."""
         need = assembly.awaiting_inputs(state)
-        if need is None:
-            waiting.get(partition, {}).pop(rid, None)
-        else:
-            waiting.setdefault(partition, {})[rid] = need
+        if need is not None and assembly.inputs_consumed(need, positions.get(partition)):
+            need = None
+        if need is not None or partition in waiting:
+            waiting.setdefault(partition, InputsWaitlist()).note(rid, need)
 
     async def release_waiting(partition: int, now: int) -> None:
         """Advance the rollouts of ``partition`` whose inputs bound the positions now pass."""
         pos = positions.get(partition, {})
-        ready = [rid for rid, need in waiting.get(partition, {}).items()
-                 if assembly.inputs_consumed(need, pos)]
-        for rid in ready:
+        for rid in waiting[partition].ready(pos):
             state = rollouts.get(rid)
             if state is None:
-                waiting[partition].pop(rid, None)
                 continue
             out = await advance_rollout(state, now, pos)
             if out.changed:
