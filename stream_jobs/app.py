@@ -240,6 +240,27 @@ def max_call_bytes() -> int:
     return min(topics.TRANSITIONS.max_message_bytes, topics.SAMPLES.max_message_bytes) - claims.CLAIM_MARGIN_BYTES
 
 
+class QuietWorker(faust.Worker):
+    """The Faust worker the app runs (``Worker`` setting), without its terminal spinner.
+
+    Faust gotcha (faust-streaming 0.15, ``faust.worker.Worker.on_setup_root_logger``): at a
+    log level of WARN or above the worker keeps a progress spinner and, so that it turns on
+    every log record, adds a DEBUG handler and sets the *root logger* to DEBUG. Every
+    ``log.debug`` of aiokafka and Faust (several per record produced: "send: topic=...",
+    "Sending (key=... value=...)") then builds a LogRecord and walks the stack for its
+    caller, only for the handlers to drop it: 4.7 % of the worker's CPU in the sustained
+    benchmark (issue 11; the bench ran ``-l warn``). The spinner is dropped; the root logger
+    keeps the level asked for. Upstream report (not filed from here): "Worker sets the root
+    logger to DEBUG when loglevel >= WARN to drive the spinner, so every debug call in the
+    process pays for a LogRecord; the spinner should use a filter or a level-aware handler,
+    or be off when stdout is not a TTY."
+    """
+
+    def on_setup_root_logger(self, logger, level: int) -> None:
+        self.spinner = None
+        super().on_setup_root_logger(logger, level)
+
+
 def _install_recovery_highwaters() -> None:
     """Faust gotcha (faust-streaming 0.15, processing_guarantee="exactly_once").
 
@@ -288,6 +309,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         # run by ~20 % in the bench (BENCHMARKS.md); a commit waits for it at most once.
         producer_linger=cfg.linger_s,
         topic_replication_factor=cfg.replication_factor,
+        Worker=QuietWorker,  # no spinner: it set the root logger to DEBUG (QuietWorker)
     )
     assembly_cfg = assembly.AssemblyConfig(
         credit_rule=parse_credit_rule(cfg.credit_rule).with_air(parse_air_rules(cfg.air_rules)), agents=cfg.train_agents,

@@ -258,3 +258,44 @@ def test_sdk_recorded_exception_reaches_the_span_record():
     assert c.span["attributes"]["exception.type"] == "TimeoutError"
     assert c.span["attributes"]["exception.message"] == "upstream took too long"
     assert span_facts(c.span) == ["tool_error", "exception", "timeout"]
+
+
+def test_array_value_fast_path_gives_what_the_item_by_item_path_gives():
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue
+
+    from spanrl.producers import otlp
+
+    def arr(*items):
+        return ArrayValue(values=[AnyValue(**item) for item in items]).values
+
+    def slow(values):
+        return [otlp.any_value(x) for x in values]
+
+    cases = [
+        arr(*({"int_value": v} for v in (5, 0, 7, -3))),        # token ids, one 0
+        arr(*({"double_value": v} for v in (-0.5, 0.0, -2.25))),  # log-probs, one 0.0
+        arr({"int_value": 5}, {"double_value": 1.5}),          # mixed: a non-zero double reads as int 0
+        arr({"int_value": 5}, {"bool_value": True}),           # a bool reads as int 0 too
+        arr({"int_value": 5}, {}),                             # an empty item: None
+        arr({"double_value": 1.0}, {"int_value": 2}),
+        arr({"string_value": "a"}, {"int_value": 0}),
+        arr(),
+    ]
+    expected = [[5, 0, 7, -3], [-0.5, 0.0, -2.25], [5, 1.5], [5, True], [5, None], [1.0, 2], ["a", 0], []]
+    for values, want in zip(cases, expected):
+        got = otlp.array_value(values)
+        assert got == want == slow(values) and [type(x) for x in got] == [type(x) for x in slow(values)]
+
+
+def test_llm_from_attrs_takes_int_token_ids_only_and_float_logprobs():
+    from spanrl.producers.otlp import llm_from_attrs
+
+    attrs = {"spanrl.llm.prompt_token_ids": [1, 2], "spanrl.llm.completion_token_ids": [3, 4],
+             "spanrl.llm.completion_logprobs": [-0.5, -1.0]}
+    got = llm_from_attrs(attrs, "s")
+    assert (got["prompt_token_ids"], got["completion_token_ids"], got["completion_logprobs"]) == (
+        [1, 2], [3, 4], [-0.5, -1.0])
+    assert llm_from_attrs({**attrs, "spanrl.llm.prompt_token_ids": [1, True]}, "s") is None
+    assert llm_from_attrs({**attrs, "spanrl.llm.completion_token_ids": [3, 4.0]}, "s") is None
+    mixed = llm_from_attrs({**attrs, "spanrl.llm.completion_logprobs": [-1, -0.5, True, "x"]}, "s")
+    assert mixed["completion_logprobs"] == [-1.0, -0.5] and type(mixed["completion_logprobs"][0]) is float

@@ -14,3 +14,28 @@ def test_every_changelog_is_read_with_the_serializer_it_is_written_with():
     # they are re-read from spans / transitions after a restart (issue 11)
     assert sorted(seen) == ["groups", "orphans", "rollouts", "traces"]
     assert (seen["rollouts"], seen["orphans"]) == ("json", "raw")
+
+
+def test_the_worker_leaves_the_root_logger_at_the_level_asked_for():
+    """faust.Worker at -l warn sets the root logger to DEBUG for its spinner (every debug call
+    then builds a LogRecord); the app's QuietWorker does not."""
+    import logging
+
+    import faust
+
+    from spanrl.stream_jobs.app import QuietWorker
+
+    app = make_app(StreamConfig(app_id="unit-worker"))
+    assert app.conf.Worker is QuietWorker
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    try:
+        for cls, expected in ((faust.Worker, logging.DEBUG), (QuietWorker, logging.WARNING)):
+            root.handlers[:] = [logging.NullHandler()]
+            root.setLevel(logging.WARNING)
+            worker = cls(app, loglevel="warn")
+            worker.on_setup_root_logger(root, logging.WARNING)
+            assert root.level == expected, cls
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
