@@ -65,6 +65,7 @@ class SchemaRegistry:
     def __init__(self, directory: Path = AVRO_DIR):
         self.directory = Path(directory)
         self._versions: dict[str, dict[int, Any]] = {}
+        self._around: dict[tuple, tuple] = {}
 
     def versions(self, record_type: str) -> dict[int, Any]:
         """version -> parsed schema for ``record_type``; raises SchemaError if none."""
@@ -113,6 +114,50 @@ class SchemaRegistry:
         buf.write(_HEADER.pack(MAGIC, version))
         try:
             fastavro.schemaless_writer(buf, versions[version], record, strict_allow_default=True)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            raise SchemaError("schema_error", f"{record_type} v{version}: {exc}") from exc
+        return buf.getvalue()
+
+    def encode_around(self, record_type: str, record: dict, field: str, encoded: bytes) -> bytes | None:
+        """:meth:`encode` of ``record`` (newest schema) whose record-typed ``field`` is given as
+        ``encoded``, bytes :meth:`encode` wrote for that field's record type: Avro writes a
+        record as its fields' encodings one after another (Avro 1.11 spec, "Binary
+        Encoding": records), so the result is the header, the fields before ``field``, the
+        body of ``encoded`` and the fields after it - byte for byte what :meth:`encode`
+        writes for the decoded record, without decoding and encoding it again (a sample's
+        transition: ~160 us of 2.4 KB of token ids). None when ``encoded`` is not of the
+        version the schema embeds (then decode it and use :meth:`encode`); SchemaError as
+        :meth:`encode` for the other fields."""
+        version = self.latest_version(record_type)
+        key = (record_type, version, field)
+        parts = self._around.get(key)
+        if parts is None:
+            raw = self._raw(record_type, version)
+            names = [f["name"] for f in raw["fields"]]
+            dep = _DEPENDS.get(record_type, {}).get(version, {})
+            nested = next(((t, v) for t, v in dep.items()
+                           if field in names and raw["fields"][names.index(field)]["type"] == RECORD_NAMES.get(t)), None)
+            if nested is None:
+                raise SchemaError("schema_error", f"{record_type} v{version}: {field} is not a nested spanrl record")
+            i = names.index(field)
+
+            def sub(fields: list, name: str):
+                return fastavro.parse_schema({"type": "record", "name": name, "fields": fields}, named_schemas={})
+            parts = self._around[key] = (nested, sub(raw["fields"][:i], "Before"), sub(raw["fields"][i + 1:], "After"))
+        (nested_type, nested_version), before, after = parts
+        if len(encoded) < _HEADER.size or _HEADER.unpack_from(encoded, 0) != (MAGIC, nested_version):
+            return None
+        record = {**record, "schema_version": version}
+        buf = io.BytesIO()
+        buf.write(_HEADER.pack(MAGIC, version))
+        try:
+            for schema in (before, after):
+                fields = {f["name"] for f in schema["fields"]}
+                part = {k: v for k, v in record.items() if k in fields}
+                _check_scalars(schema, part, record_type)
+                fastavro.schemaless_writer(buf, schema, part, strict_allow_default=True)
+                if schema is before:
+                    buf.write(memoryview(encoded)[_HEADER.size:])
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
             raise SchemaError("schema_error", f"{record_type} v{version}: {exc}") from exc
         return buf.getvalue()
@@ -202,6 +247,11 @@ def latest_version(record_type: str) -> int:
 def encode(record_type: str, record: dict, version: int | None = None) -> bytes:
     """Encode with the default registry (``schemas/avro``); see :meth:`SchemaRegistry.encode`."""
     return DEFAULT.encode(record_type, record, version)
+
+
+def encode_around(record_type: str, record: dict, field: str, encoded: bytes) -> bytes | None:
+    """:meth:`SchemaRegistry.encode_around` with the default registry."""
+    return DEFAULT.encode_around(record_type, record, field, encoded)
 
 
 def decode(record_type: str, data: bytes) -> dict:

@@ -138,7 +138,7 @@ def _missing_dead(tid: str, m: dict, held: list[tuple[str, dict | None]], now_ms
         tr = tr or {"rollout_id": m["rollout_id"], "task_id": tid, "attempt_id": m["attempt_id"], "span_id": s}
         out.append(dl.dead_letter(dl.TRANSITIONS_MISSING, dl.GROUPER, now_ms, rollout_id=m["rollout_id"],
                                   task_id=tid, detail=f"attempt {m['attempt_id']} span {s}: {why}",
-                                  payload=codec.encode("transition", tr) if "episode_return" in tr else None))
+                                  payload=encoded(tr) if "episode_return" in tr else None))
     return out
 
 
@@ -315,8 +315,15 @@ def close(state: dict, store: MutableMapping, config: GroupingConfig, now_ms: in
     return out
 
 
+def encoded(transition) -> bytes:
+    """A transition's record: the ``record`` a store may keep with it (the app's
+    StoredTransition), else encoded here."""
+    record = getattr(transition, "record", None)
+    return record if record is not None else codec.encode("transition", dict(transition))
+
+
 def _dead(reason: str, transition: dict, now_ms: int, why: str) -> dict:
     return dl.dead_letter(
         reason, dl.GROUPER, now_ms, rollout_id=transition["rollout_id"], task_id=transition["task_id"],
         detail=f"attempt {transition['attempt_id']} span {transition['span_id']}: {why}",
-        payload=codec.encode("transition", transition))
+        payload=encoded(transition))

@@ -198,3 +198,24 @@ def test_encode_takes_integral_numbers_of_other_types():
     rec = {**TRANSITION, "group_size": np.int64(4), "call_index": 1.0, "prompt_token_ids": np.array([7, 8])}
     back = decode("transition", encode("transition", rec))
     assert (back["group_size"], back["call_index"], back["prompt_token_ids"]) == (4, 1, [7, 8])
+
+
+def test_encode_around_writes_what_encode_writes_without_decoding_the_nested_record():
+    from spanrl.schemas import codec as c
+
+    t = {"rollout_id": "r", "attempt_id": "0", "span_id": "s", "task_id": "t", "group_size": 4, "sequence_id": 1,
+         "call_index": 0, "rollout_transition_count": 5, "agent_name": None, "model": "m", "policy_version": 3,
+         "prompt_token_ids": list(range(512)), "completion_token_ids": [7, 0, 9], "behaviour_logprobs": [-0.5, 0.0, -1.25],
+         "episode_return": 1.0, "reward": 0.5, "credit_rule": "identical", "status": "succeeded",
+         "late_reward": True, "reward_delay_ms": 42, "intermediate_reward": -0.1, "air_rules": "tool_error:-0.1"}
+    rest = {"advantage": -0.75, "group_id": "t/3", "group_rollouts": 8, "group_mean": 0.25, "group_std": 0.5}
+    record = c.encode("transition", t)
+    assert c.encode_around("sample", rest, "transition", record) == c.encode("sample", {**rest, "transition": t})
+    # a transition of another version than the sample embeds: not around it (decode + encode instead)
+    v1 = {k: v for k, v in t.items() if k not in ("late_reward", "reward_delay_ms", "intermediate_reward", "air_rules")}
+    assert c.encode_around("sample", rest, "transition", c.encode("transition", v1, version=1)) is None
+    assert c.encode_around("sample", rest, "transition", b"") is None
+    with pytest.raises(c.SchemaError):
+        c.encode_around("sample", {**rest, "group_rollouts": 1.5}, "transition", record)  # checked as encode does
+    with pytest.raises(c.SchemaError):
+        c.encode_around("sample", rest, "advantage", record)  # not a nested record

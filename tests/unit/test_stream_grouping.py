@@ -263,16 +263,45 @@ def test_a_record_that_is_another_transition_is_not_restored():
 
 
 def test_the_apps_transition_store_holds_avro_records():
-    from spanrl.stream_jobs.app import TransitionStore
+    from spanrl.stream_jobs.app import StoredTransition, TransitionStore
 
     store, t = TransitionStore(), tr("r1", 0, 1.0)
     store["k"] = t
-    assert store.records["k"][:1] == bytes([codec.MAGIC]) and store["k"] == t and "k" in store and len(store) == 1
-    store.put_record("j", codec.encode("transition", tr("r2", 0, 0.0)))
+    assert store.records["k"].record[:1] == bytes([codec.MAGIC]) and store["k"] == t and "k" in store
+    assert len(store) == 1
+    raw2 = codec.encode("transition", tr("r2", 0, 0.0))
+    store.put_record("j", raw2, codec.decode("transition", raw2))
     assert store.pop("j")["rollout_id"] == "r2" and store.pop("j", None) is None and list(store) == ["k"]
     raw = codec.encode("transition", tr("r3", 0, 0.0))
     decoded = store.decoded_from(codec.decode("transition", raw), raw)
     store["i"] = decoded  # the record it came from is kept as it is, not encoded again
-    assert store.records["i"] is raw
+    assert store.records["i"].record is raw
     store["h"] = dict(decoded)  # another dict: encoded
-    assert store.records["h"] is not raw and store["h"] == decoded
+    assert store.records["h"].record is not raw and store["h"] == decoded
+    # the small fields without decoding; the arrays decoded on demand
+    held = store["i"]
+    assert isinstance(held, StoredTransition) and held._full is None
+    assert (held["rollout_id"], held["call_index"], held["episode_return"]) == ("r3", 0, 0.0) and held._full is None
+    assert held["completion_token_ids"] == [2] and held._full is not None
+    assert grouping.encoded(held) is raw and grouping.encoded(decoded) == raw
+
+
+def test_samples_from_the_apps_store_are_the_records_codec_encode_writes():
+    """A group closed over StoredTransitions: each sample's record is written around the stored
+    transition's record (app.encode_sample), byte for byte what codec.encode writes for it."""
+    from spanrl.stream_jobs.app import TransitionStore, encode_sample
+
+    state, store = grouping.new_state("t1"), TransitionStore()
+    records = [tr("r1", 0, 1.0), tr("r1", 1, 1.0), tr("r2", 0, 0.0), tr("r2", 1, 0.0)]
+    out = grouping.GroupOutcome()
+    for r in records:
+        raw = codec.encode("transition", r)
+        o = grouping.add_transition(state, store.decoded_from(codec.decode("transition", raw), raw), store, CFG, 0)
+        out.samples += o.samples
+    assert [s["transition"]["span_id"] for s in out.samples] == ["r1-a0-0", "r1-a0-1", "r2-a0-0", "r2-a0-1"]
+    assert all(s["transition"]._full is None for s in out.samples)  # the arrays were never decoded
+    for s in out.samples:
+        plain = {**s, "transition": dict(s["transition"])}
+        assert encode_sample(s) == codec.encode("sample", plain)
+        assert codec.decode("sample", encode_sample(s)) == codec.decode("sample", codec.encode("sample", plain))
+    assert len(store) == 0
