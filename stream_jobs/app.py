@@ -553,7 +553,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     rollout_index = TickIndex()  # the rollout states a tick visits (stream_jobs/ticking.py)
 
     def rollout_expiry(state: dict) -> int | None:
-        return assembly.tick_due(state, assembly_cfg, cfg.retain_s)
+        return assembly.tick_due(state, assembly_cfg, cfg.retain_s, positions.get(state["partition"]))
 
     group_index = TickIndex()  # the task states with an open group
 
@@ -684,6 +684,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             put_rollout(rid, state)
             note_waiting(p, rid, state)
             await emit(out)
+        else:  # the visit took it off the index's due list: back on it at its next due time
+            rollout_index.note(p, rid, rollout_expiry(state))
 
     async def reread_transitions(state: dict) -> "TransitionStore":
         """The state's partition's transition store, with every waiting transition of

@@ -801,17 +801,58 @@ def expires_at(state: dict, retain_s: float) -> int | None:
     return max(a["done_ms"] for a in attempts) + int(retain_s * 1000)
 
 
-def tick_due(state: dict, config: AssemblyConfig, retain_s: float) -> int | None:
+def tick_due(state: dict, config: AssemblyConfig, retain_s: float,
+             positions: dict[str, int] | None = None) -> int | None:
     """When a tick next has something to do for this state (ms), for the app's tick index
-    (stream_jobs/ticking.py): None (every tick) while an attempt is open and not parked; when
-    every open attempt is parked, the earliest end of their reward windows (a late reward is an
-    input, handled when it comes); when all are done, :func:`expires_at`."""
+    (stream_jobs/ticking.py): the earliest :func:`attempt_due` of its open attempts (None:
+    every tick, when one of them needs it; ``NEVER``, -1, when none waits for a time: each
+    waits for an input, or for the positions to pass its inputs bound); when all are done,
+    :func:`expires_at`. Ticks visit a state only then: with thousands of rollouts in flight
+    (a backlog) a tick used to advance every open one, 8 times a second (issue 11)."""
     open_ = [a for a in state["attempts"].values() if a["done"] is None]
     if not open_:
         return expires_at(state, retain_s)
-    if any(a.get("parked_ms") is None for a in open_):
+    due = [attempt_due(a, config, positions) for a in open_]
+    if any(d is None for d in due):
         return None
-    return min(a["ended_ms"] for a in open_) + int(config.reward_window_s * 1000)
+    timed = [d for d in due if d != NEVER]
+    return min(timed) if timed else NEVER
+
+
+#: :func:`attempt_due`: no time will change the attempt (an input will); TickIndex.NEVER
+NEVER = -1
+
+
+def _ms(seconds: float) -> int:
+    return math.ceil(seconds * 1000)
+
+
+def attempt_due(a: dict, config: AssemblyConfig, positions: dict[str, int] | None = None) -> int | None:
+    """The earliest time (ms, on the clock ``advance`` is given) at which :func:`advance` may
+    change the open attempt ``a`` without an input: its rollout timeout (no terminal event;
+    for a production attempt also its idle end), its reward timeout (ended, no final reward:
+    park or dead letter), its reward window (parked), its settle time (ended with a reward:
+    the fallback when its inputs bound cannot be judged). :data:`NEVER` when only an input can
+    (an ended attempt with a reward whose inputs bound ``positions`` do not pass yet: the app
+    advances it when they do); None when it cannot be told (advance every tick). Pure."""
+    if a.get("parked_ms") is not None:
+        return a["ended_ms"] + _ms(config.reward_window_s)
+    if a["status"] not in TERMINAL:
+        due = a["last_ms"] + _ms(config.rollout_timeout_s)
+        if a.get("production"):
+            due = min(due, a["last_ms"] + _ms(config.production_idle_s))
+        return due
+    try:
+        R = episode_return(a["rewards"])
+    except InvalidReward:
+        return None
+    if R is None:
+        return None if a["ended_ms"] is None else a["ended_ms"] + _ms(config.reward_timeout_s)
+    if a["ready_ms"] is None:
+        return None
+    if inputs_consumed(a.get("inputs_bound"), positions) is False:
+        return NEVER
+    return a["ready_ms"] + _ms(config.settle_s)
 
 
 def expired(state: dict, now_ms: int, retain_s: float) -> bool:
