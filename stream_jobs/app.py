@@ -555,10 +555,10 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     def rollout_expiry(state: dict) -> int | None:
         return assembly.tick_due(state, assembly_cfg, cfg.retain_s, positions.get(state["partition"]))
 
-    group_index = TickIndex()  # the task states with an open group
+    group_index = TickIndex()  # the task states a tick visits: at their groups' time-outs (grouping.tick_due)
 
     def group_expiry(state: dict) -> int | None:
-        return None if grouping.has_open_group(state) else TickIndex.NEVER
+        return grouping.tick_due(state, grouping_cfg)
 
     def put_group(tid: str, state: dict) -> None:
         groups[tid] = state
@@ -713,6 +713,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             put_group(tid, state)
             await send_samples(out.samples)
             await send_dead(out.dead_letters)
+        else:  # the visit took it off the index's due list: back on it at its next due time
+            group_index.note(state["partition"], tid, group_expiry(state))
 
     @app.agent(app.topic(cfg.transitions_topic, task_ticks.get_topic_name(), internal=True,
                          partitions=task_partitions, **raw))

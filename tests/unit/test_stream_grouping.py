@@ -305,3 +305,18 @@ def test_samples_from_the_apps_store_are_the_records_codec_encode_writes():
         assert encode_sample(s) == codec.encode("sample", plain)
         assert codec.decode("sample", encode_sample(s)) == codec.decode("sample", codec.encode("sample", plain))
     assert len(store) == 0
+
+
+def test_tick_due_is_the_open_groups_and_late_members_time_out():
+    state, store = grouping.new_state("t1"), {}
+    assert grouping.tick_due(state, CFG) == grouping.NEVER
+    grouping.add_transition(state, tr("r1", 0, 1.0), store, CFG, 5 * S)
+    assert grouping.tick_due(state, CFG) == 35 * S  # opened at 5 s, group_timeout_s 30
+    assert grouping.advance(state, store, CFG, 35 * S - 1).dead_letters == [] and state["open"] is not None
+    closed = grouping.advance(state, store, CFG, 35 * S)
+    assert [d["reason"] for d in closed.dead_letters] == ["group_incomplete"] and state["open"] is None
+    assert grouping.tick_due(state, CFG) == grouping.NEVER
+    grouping.add_transition(state, tr("r2", 0, 1.0, n=1), store, CFG, 40 * S)  # a group of one member
+    grouping.advance(state, store, CFG, 70 * S)  # closes short: takes late members
+    grouping.add_transition(state, tr("r3", 0, 0.0, late=True), store, CFG, 80 * S)  # 1 of 2: waits
+    assert "r3|a0" in state["late"] and grouping.tick_due(state, CFG) == 110 * S
