@@ -159,13 +159,16 @@ def service_costs(processes: Mapping[str, Mapping[str, Any]]) -> dict[str, float
     """CPU µs per span per service from a sustained run's per-process figures: processes named
     SERVICE or SERVICE<n> (``bridge0``, ``bridge1``, ``worker0``, ``kafka``) are summed per
     service; the broker's ``cpu_us_per_span_minus_idle`` (its idle CPU taken out) is preferred
-    when present; other processes (the load generator ``client``) are left out."""
+    when present and not negative (a negative one comes from an idle sample taken while the
+    broker was still busy, e.g. just after a restart: the raw figure is used then); other processes (the load generator ``client``) are left out."""
     out: dict[str, float] = {}
     for name, fig in processes.items():
         service = _canonical(name.rstrip("0123456789"))
         if service not in SERVICES or not isinstance(fig, Mapping):
             continue
-        us = fig.get("cpu_us_per_span_minus_idle", fig.get("cpu_us_per_span"))
+        us = fig.get("cpu_us_per_span_minus_idle")
+        if us is None or us < 0:  # an idle sample taken while the broker was busy (just restarted): unusable
+            us = fig.get("cpu_us_per_span")
         if us is not None:
             out[service] = out.get(service, 0.0) + float(us)
     return out

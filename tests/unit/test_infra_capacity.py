@@ -127,3 +127,13 @@ def test_cli_reads_the_json_and_flags(tmp_path, capsys):
     assert cap.main(["--from", str(tmp_path / "absent.json")]) == 2
     assert cap.main(["--from", str(f)]) == 0  # the table; kafka not measured is printed, not an error
     assert "kafka: not measured" in capsys.readouterr().out
+
+
+def test_a_negative_idle_corrected_broker_figure_falls_back_to_the_raw_one():
+    from spanrl.infra.capacity import service_costs
+
+    procs = {"kafka": {"cpu_us_per_span": 436.0, "cpu_us_per_span_minus_idle": -2175.0},
+             "worker0": {"cpu_us_per_span": 1083.0}, "bridge0": {"cpu_us_per_span": 349.0}, "client": {"cpu_us_per_span": 655.0}}
+    assert service_costs(procs) == {"kafka": 436.0, "worker": 1083.0, "bridge": 349.0}
+    procs["kafka"]["cpu_us_per_span_minus_idle"] = 400.0
+    assert service_costs(procs)["kafka"] == 400.0
