@@ -430,7 +430,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     traces = app.Table("traces", partitions=rollout_partitions, default=None, key_type=str, value_type=None)
     orphans = app.Table("orphans", partitions=rollout_partitions, default=None, key_type=str, value_type=bytes)
     claim_client = claims.make_client()
-    spans_reader = SpansReader(cfg.bootstrap, cfg.claim_retry_s, MAX_RECORD_BYTES)
+    spans_reader = SpansReader(cfg.bootstrap, cfg.claim_retry_s, MAX_RECORD_BYTES)  # the assemble agent's
+    transitions_reader = SpansReader(cfg.bootstrap, cfg.claim_retry_s, MAX_RECORD_BYTES)  # the group agent's
 
     async def send_dead(records: list[dict], message=None, payload: bytes | None = None) -> None:
         for r in records:
@@ -695,7 +696,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         store = group_store(state["partition"])
         wanted = grouping.missing_reads(state, store)
         if wanted:
-            records = await spans_reader.read([tuple(at) for _, at in wanted])
+            records = await transitions_reader.read([tuple(at) for _, at in wanted])
             for key, at in wanted:
                 value = records.get(tuple(at))
                 try:
@@ -832,6 +833,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             rollout_index.forget(tp.partition)
             group_index.forget(tp.partition)
         await spans_reader.stop()
+        await transitions_reader.stop()
 
     @app.page("/spanrl/counters/")
     async def counters_view(web, request):

@@ -421,7 +421,10 @@ def add_rollout_event(state: dict, event: dict, now_ms: int,
     a["task_id"] = a["task_id"] or event["task_id"]
     a["group_size"] = a["group_size"] or int(event["group_size"])
     status = event["status"]
-    if a["status"] not in TERMINAL:
+    # an explicit end beats one production_end inferred from a reward, until the attempt is
+    # emitted: the end and the rating travel on different topics, in no fixed order
+    explicit_over_inferred = status in TERMINAL and a.pop("end_inferred", False) and a["done"] is None
+    if a["status"] not in TERMINAL or explicit_over_inferred:
         a["status"] = status
         if status in TERMINAL:
             a["ended_ms"] = now_ms
@@ -524,6 +527,7 @@ def production_end(a: dict, config: AssemblyConfig, now_ms: int) -> bool:
         return False
     if any(r["final"] for r in a["rewards"]):
         a["status"], a["error"] = "succeeded", None
+        a["end_inferred"] = True  # an explicit end that comes before the emission overrides it
     elif now_ms - a["last_ms"] >= config.production_idle_s * 1000:
         a["status"], a["error"] = "succeeded", f"idle {config.production_idle_s:g}s"
     else:

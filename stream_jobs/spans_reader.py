@@ -27,6 +27,11 @@ class SpansReader:
     def __init__(self, bootstrap: str, retry_s: float = 30.0, max_record_bytes: int = 8 << 20):
         self.bootstrap, self.retry_s, self.max_record_bytes = bootstrap, retry_s, max_record_bytes
         self._consumer: AIOKafkaConsumer | None = None
+        # one read at a time: a read re-assigns the consumer, and a second read in between
+        # (another agent of the same worker) made the first one's seek raise IllegalStateError
+        # ("No current assignment"), which crashed the grouper agent mid-event (make test,
+        # worker SIGKILL: one transition in no sample)
+        self._lock = asyncio.Lock()
 
     async def _started(self) -> AIOKafkaConsumer:
         if self._consumer is None:
@@ -45,6 +50,10 @@ class SpansReader:
         found: dict[Position, bytes] = {}
         if not positions:
             return found
+        async with self._lock:
+            return await self._read(positions, found)
+
+    async def _read(self, positions: list[Position], found: dict[Position, bytes]) -> dict[Position, bytes]:
         consumer = await self._started()
         wanted: dict[TopicPartition, set[int]] = {}
         for topic, partition, offset in positions:
@@ -85,6 +94,7 @@ class SpansReader:
             await asyncio.sleep(0.2)
 
     async def stop(self) -> None:
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            await consumer.stop()
+        async with self._lock:
+            consumer, self._consumer = self._consumer, None
+            if consumer is not None:
+                await consumer.stop()

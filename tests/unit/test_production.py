@@ -142,6 +142,19 @@ def test_an_explicit_end_from_the_bridge_keeps_the_calls_task():
     assert state["attempts"]["0"]["ended_ms"] == 0  # the explicit end, not the reward
 
 
+def test_an_explicit_end_consumed_after_the_rating_still_gives_the_status():
+    """The bridge's end (failed) was sent first, but Kafka delivered the rating first (other
+    topic): the attempt ended at the rating (inferred succeeded); the explicit end, consumed
+    before the emission, sets the status. After the emission it changes nothing."""
+    end = {"rollout_id": "chat-1", "attempt_id": "0", "task_id": "", "status": "failed", "group_size": 0,
+           "error": "user closed the chat"}
+    out, state, _ = run([(0, "span", call("c0", 0)), (5, "reward", reward(0.0)), (5.5, "life", end)], until_s=10)
+    assert [(t["status"], t["reward"]) for t in out.transitions] == [("failed", 0.0)]
+    assert (state["attempts"]["0"]["error"], state["attempts"]["0"]["done_ms"]) == ("user closed the chat", 7 * S)
+    late, state, _ = run([(0, "span", call("c0", 0)), (5, "reward", reward(0.0)), (9, "life", end)], until_s=10)
+    assert [t["status"] for t in late.transitions] == ["succeeded"] and state["attempts"]["0"]["error"] is None
+
+
 def test_a_runners_rollout_is_not_ended_by_its_reward():
     runner_call = {**call("c0", 0), "attributes": {}}
     out, state, _ = run([(0, "span", runner_call), (1, "reward", reward(1.0))], until_s=50)

@@ -39,3 +39,28 @@ def test_the_worker_leaves_the_root_logger_at_the_level_asked_for():
     finally:
         root.setLevel(saved[0])
         root.handlers[:] = saved[1]
+
+
+def test_reads_of_one_spans_reader_do_not_interleave():
+    """Two agents of one worker re-reading at once shared a consumer: the second read's assign
+    broke the first one's seek (IllegalStateError, the grouper crashed mid-event). Reads are
+    serialized: the second starts after the first returned."""
+    import asyncio
+
+    from spanrl.stream_jobs.spans_reader import SpansReader
+
+    order = []
+
+    class Probe(SpansReader):
+        async def _read(self, positions, found):
+            order.append(("start", positions[0][0]))
+            await asyncio.sleep(0.05)
+            order.append(("end", positions[0][0]))
+            return found
+
+    async def both():
+        r = Probe("127.0.0.1:1")
+        await asyncio.gather(r.read([("spans", 0, 1)]), r.read([("transitions", 0, 1)]))
+
+    asyncio.run(both())
+    assert order == [("start", "spans"), ("end", "spans"), ("start", "transitions"), ("end", "transitions")]
