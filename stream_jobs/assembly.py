@@ -110,6 +110,7 @@ from spanrl.producers import production
 from spanrl.stream_jobs import air
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
+from spanrl.stream_jobs.ticking import TickIndex
 
 TERMINAL = frozenset({"succeeded", "failed", "timeout"})
 EMITTED = "emitted"
@@ -824,7 +825,7 @@ def tick_due(state: dict, config: AssemblyConfig, retain_s: float,
 
 
 #: :func:`attempt_due`: no time will change the attempt (an input will); TickIndex.NEVER
-NEVER = -1
+NEVER = TickIndex.NEVER
 
 
 def _ms(seconds: float) -> int:

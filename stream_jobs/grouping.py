@@ -56,6 +56,7 @@ from typing import MutableMapping
 from spanrl.schemas import codec
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import grpo_advantages, group_stats
+from spanrl.stream_jobs.ticking import TickIndex
 
 SAMPLE_VERSION = 2  # schemas/avro/sample.v2.avsc (a transition v2 inside)
 RECENT_CLOSED_MAX = 1024
@@ -89,7 +90,7 @@ def has_open_group(state: dict) -> bool:
 
 
 #: :func:`tick_due`: no time will change the state (only a transition will); TickIndex.NEVER
-NEVER = -1
+NEVER = TickIndex.NEVER
 
 
 def tick_due(state: dict, config: GroupingConfig) -> int:
