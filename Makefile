@@ -4,7 +4,7 @@ CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
 PY := $(CACHE)/venv/bin/python
 export SPANRL_CACHE_DIR := $(CACHE)
 
-.PHONY: bootstrap demo test test-unit up down status bench bench-sustained bench-rate chaos
+.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate chaos
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -14,6 +14,11 @@ bootstrap:
 AGENT ?= math
 demo: bootstrap
 	$(PY) -m spanrl.infra.cli demo --agent $(AGENT) $(ARGS)
+
+## The main job once per run seed and one report across seeds (results/study/study.{json,png});
+## the stack must be down. ARGS="--seeds 3" (default), e.g. ARGS="--seeds 5 --first-seed 10".
+study: bootstrap
+	$(PY) -m spanrl.infra.cli study $(ARGS)
 
 ## Unit + integration tests against the real local stack (what .ci/run calls).
 test: bootstrap

@@ -298,6 +298,43 @@ def demo(
     console.print(f"[bold green]done[/bold green]: {summary['paths']}")
 
 
+@app.command()
+def study(
+    seeds: int = typer.Option(3, help="how many run seeds (first_seed, first_seed + 1, ...)"),
+    first_seed: int = typer.Option(0, help="the first run seed"),
+    iterations: int = typer.Option(None, help="iterations per seed (default: the math agent's DEMO size)"),
+    tasks: int = typer.Option(None, help="new training tasks per iteration"),
+    group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
+    heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
+    out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
+) -> None:
+    """The main job once per run seed (a fresh stack run each), and one report across seeds:
+    per seed and pooled paired differences, greedy and sampled, per kind, out of distribution."""
+    from pathlib import Path
+
+    from examples.agents import agent_spec
+    from spanrl.infra.study import run_study
+
+    if seeds < 1:
+        raise typer.BadParameter("--seeds must be >= 1")
+    size = {**agent_spec("math").DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks,
+                                                             "group_size": group_size,
+                                                             "heldout_tasks": heldout_tasks}.items() if v is not None}}
+    _check_free_space("demo")
+    try:
+        report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console)
+    except (RuntimeError, StackError) as exc:
+        console.print(f"[red]study failed[/red]: {exc}")
+        raise typer.Exit(1)
+    for mode, blk in report["heldout"].items():
+        p = blk["pooled_across_seeds"]
+        console.print(f"held-out {mode}: per seed " + ", ".join(
+            f"{x['difference']['estimate']:+.3f} [{x['difference']['low']:+.3f}, {x['difference']['high']:+.3f}]"
+            for x in blk["per_seed"]) + f"; pooled {p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]")
+    console.print(f"[bold]{'target met' if report['target_met'] else 'target not met'}[/bold]: "
+                  f"{Path(out) / 'study.json'}, {Path(out) / 'study.png'}")
+
+
 @app.command("eval")
 def eval_cmd(
     policy: list[str] = typer.Option(["base"], help="base or RUN:VERSION (repeat: compared on the same tasks, "

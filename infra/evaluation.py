@@ -247,15 +247,15 @@ async def run_policy_episodes(cfg: EvalConfig, s: Settings, tasks: list[dict], o
                     timeout_s=cfg.timeout_s, proxy_url=f"{s.proxy_url}/eval/{temp}",
                     runner_id=f"eval-{cfg.name}", record_to="eval")
 
-    async def one(task: dict):
+    async def one(task: dict, k: int):
         record = {**make_task(json.dumps(task), group_size=1, task_id=task["task_id"], timeout_s=cfg.timeout_s)}
-        result = await runner.run_attempt(record)
+        result = await runner.run_attempt(record, k)
         if on_done:
             on_done()
         return result
 
     try:
-        attempts = await asyncio.gather(*(one(t) for t in tasks for _ in range(cfg.samples)))
+        attempts = await asyncio.gather(*(one(t, k) for t in tasks for k in range(cfg.samples)))
     finally:
         await runner.sink.stop()
     records = await read_since(s, start)

@@ -113,3 +113,50 @@ def paired_difference(a: Sequence[float], b: Sequence[float], resamples: int = 2
     diffs = [float(y) - float(x) for x, y in zip(a, b)]
     out = bootstrap_mean_interval(diffs, resamples, seed, level)
     return Interval(out.estimate, out.low, out.high, out.n, level, method="paired-bootstrap")
+
+
+#: two-sided 95% quantiles t_{0.975, df} of Student's t for df = 1..30 (any statistics table,
+#: e.g. NIST/SEMATECH e-Handbook of Statistical Methods, 1.3.6.7.2); beyond 30 the normal's
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def t_interval(values: Sequence[float]) -> Interval:
+    """Student-t 95% interval of the mean of a few independent values (e.g. one paired
+    difference per seed): ``mean +- t_{0.975, n-1} * s / sqrt(n)`` with the sample std s
+    (ddof 1; Student 1908, Biometrika 6(1)). The spread between runs is what it measures, so
+    with 3 seeds t = 4.303 makes it wide. One value: a zero-width interval at it (no spread
+    known: ``method`` says so). Raises ValueError for no values. Example: [0.1, 0.2, 0.3] ->
+    0.2 +- 4.303 * 0.1 / sqrt(3) = [-0.0484, 0.4484]."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        raise ValueError("t_interval needs at least one value")
+    mean = sum(values) / n
+    if n == 1:
+        return Interval(mean, mean, mean, 1, method="single-value")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else Z95
+    half = t * sd / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n, method="student-t")
+
+
+def pooled_paired_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]],
+                             resamples: int = 2000, seed: int = 0) -> Interval:
+    """Paired difference pooled over runs that evaluated the *same* tasks: ``a[s][i]``,
+    ``b[s][i]`` are task i's scores under policies a and b in run s (e.g. base and final of
+    seed s). Each task's difference is averaged over the runs, then the tasks are resampled
+    as pairs (:func:`paired_difference`'s bootstrap over tasks; Efron & Tibshirani 1993
+    ch. 13): the interval of the mean over runs and tasks, with the task-to-task spread as
+    its uncertainty (the run-to-run spread is :func:`t_interval`'s). Raises ValueError when
+    runs or tasks do not line up. Example: a = [[0, 0], [0, 1]], b = [[1, 0], [1, 1]] ->
+    per-task mean differences [1, 0], estimate 0.5."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"pooled_paired_difference needs the same runs for a and b, got {len(a)} and {len(b)}")
+    n = len(a[0])
+    if n == 0 or any(len(x) != n for x in (*a, *b)):
+        raise ValueError("pooled_paired_difference needs the same non-empty task list in every run")
+    per_task = [sum(float(b[s][i]) - float(a[s][i]) for s in range(len(a))) / len(a) for i in range(n)]
+    out = bootstrap_mean_interval(per_task, resamples, seed)
+    return Interval(out.estimate, out.low, out.high, n, method="pooled-paired-bootstrap")

@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     #: directory of the base model (safetensors); default: the converted SmolLM2 in the cache
     base_model_dir: Path | None = None
     run: str = "default"
+    #: the run seed: every rollout's sampling seed is derived from it, the task, the rollout's
+    #: index in its group, the attempt and the call (producers/seeding.py), and sent to vLLM;
+    #: the trainer's torch seed defaults to it. None: unseeded sampling (vLLM's own randomness)
+    seed: int | None = None
     #: vLLM's ``--tool-call-parser`` (with ``--enable-auto-tool-choice``), so requests with
     #: ``tools`` work; ``hermes`` reads ``<tool_call>{"name", "arguments"}</tool_call>``, the
     #: format :attr:`vllm_chat_template` asks for. Empty: no parser (``tools`` get 400 from vLLM)

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from pydantic import SecretStr
 
+from spanrl.producers import seeding
 from spanrl.producers.edge import bearer_headers
 from spanrl.producers.production import PRODUCTION_ATTEMPT
 
@@ -48,9 +49,19 @@ class RolloutState:
     agent_name: str | None = None
     _seq: Iterator[int] = field(default_factory=itertools.count, repr=False)
     record_to: str | None = None  # "eval": an evaluation episode (spans.eval, rewards.eval)
+    #: the attempt's sampling seed (producers/seeding.py); None: requests carry no seed
+    sampling_seed: int | None = None
+    _calls: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     def next_sequence_id(self) -> int:
         return next(self._seq)  # atomic under the GIL
+
+    def next_call_seed(self) -> int | None:
+        """The seed of the attempt's next LLM request (:func:`seeding.call_seed`), or None
+        without a sampling seed."""
+        if self.sampling_seed is None:
+            return None
+        return seeding.call_seed(self.sampling_seed, next(self._calls))
 
 
 _current: contextvars.ContextVar[RolloutState | None] = contextvars.ContextVar("spanrl_rollout", default=None)
@@ -64,21 +75,24 @@ def current_rollout() -> RolloutState | None:
 
 @contextlib.contextmanager
 def rollout_context(rollout_id: str, attempt_id: str, agent_name: str | None = None,
-                    record_to: str | None = None) -> Iterator[RolloutState]:
+                    record_to: str | None = None, sampling_seed: int | None = None) -> Iterator[RolloutState]:
     """Stamp spans started inside with this rollout; the sequence restarts at 0 per entry.
 
     Entering again with the same (rollout_id, attempt_id) only to change ``agent_name``
     (a sub-agent) keeps the running sequence counter. ``record_to="eval"``: an evaluation
     episode; the bridge records its spans on the evaluation topics, never the training ones.
+    ``sampling_seed``: the attempt's seed (producers/seeding.py); each LLM request made inside
+    (through a client :func:`propagate_trace_context` patched) carries its call's seed.
     """
     if record_to not in (None, "eval"):
         raise ValueError(f"record_to must be None or 'eval', got {record_to!r}")
     outer = _current.get()
     if outer is not None and (outer.rollout_id, outer.attempt_id) == (rollout_id, attempt_id):
         state = RolloutState(rollout_id, attempt_id, agent_name or outer.agent_name, outer._seq,
-                             record_to or outer.record_to)
+                             record_to or outer.record_to,
+                             outer.sampling_seed if sampling_seed is None else sampling_seed, outer._calls)
     else:
-        state = RolloutState(rollout_id, attempt_id, agent_name, record_to=record_to)
+        state = RolloutState(rollout_id, attempt_id, agent_name, record_to=record_to, sampling_seed=sampling_seed)
     token = _current.set(state)
     try:
         yield state
@@ -207,6 +221,10 @@ def _with_traceparent(send):
     def wrapper(client, request, *args, **kwargs):
         if "traceparent" not in request.headers and (ctx := _call_context()) is not None:
             inject(request.headers, context=ctx)
+        state = _current.get()
+        if state is not None and state.sampling_seed is not None and seeding.SEED_HEADER not in request.headers \
+                and request.method == "POST":
+            request.headers[seeding.SEED_HEADER] = str(state.next_call_seed())
         return send(client, request, *args, **kwargs)
 
     wrapper.__spanrl_traceparent__ = True

@@ -58,7 +58,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, messages, production, responses, streaming
+from spanrl.producers import claims, edge, messages, production, responses, seeding, streaming
 from spanrl.producers import metrics as prom
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
@@ -467,6 +467,11 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             elif api == MESSAGES:
                 metrics["messages_requests"] += 1
                 body = messages.chat_request(client_body)
+            if (seed_header := request.headers.get(seeding.SEED_HEADER)) is not None and body.get("seed") is None:
+                try:  # the call's sampling seed from the run seed (producers/seeding.py)
+                    body["seed"] = seeding.parse_seed(seed_header)
+                except ValueError as exc:
+                    raise BadRequest(400, "invalid_seed", str(exc)) from None
             if sampling is not None and sampling != "agent":
                 temperature = eval_temperature(sampling)
                 if temperature is None:

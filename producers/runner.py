@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from spanrl.producers import instrument
+from spanrl.producers import instrument, seeding
 from spanrl.producers.edge import token_value
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.schemas import codec
@@ -120,7 +120,7 @@ class Runner:
                  timeout_s: float | None = None, concurrency: int = 8, group_id: str = "spanrl-runners",
                  bootstrap: str | None = None, proxy_url: str | None = None, topics: Topics | None = None,
                  runner_id: str | None = None, settings=None, record_to: str | None = None,
-                 telemetry: bool = True, external_spans: bool = False):
+                 telemetry: bool = True, external_spans: bool = False, seed: int | None = None):
         """``record_to="eval"``: evaluation episodes (their OTel spans go to the evaluation
         topics; see :func:`spanrl.producers.instrument.rollout_context`). ``telemetry``: make sure
         this process exports OTel spans to the bridge, the agent frameworks' included
@@ -128,11 +128,14 @@ class Runner:
         known from the framework's own spans. ``external_spans``: the agent's spans also come
         from an exporter this runner cannot flush (another process, its own tracer provider);
         its terminal events then do not claim ``inputs_acked`` and the stream job waits its
-        ``settle_s`` grace for them (stream_jobs/assembly.py)."""
+        ``settle_s`` grace for them (stream_jobs/assembly.py). ``seed``: the run seed (default
+        ``SPANRL_SEED``; None: unseeded); each attempt's LLM requests then carry sampling seeds
+        derived from it, the task, the rollout's index and the attempt (producers/seeding.py)."""
         from spanrl.infra.settings import get_settings
 
         s = settings or get_settings()
         self.record_to = record_to
+        self.seed = s.seed if seed is None else seed
         self.external_spans = external_spans
         if telemetry:
             instrument.ensure_instrumented(runner_id or "spanrl-runner", bridge_url=s.bridge_url,
@@ -176,8 +179,12 @@ class Runner:
                 "status": status, "group_size": group_size, "runner_id": self.runner_id,
                 "timestamp_ms": now_ms(), "error": error, "inputs_acked": inputs_acked}
 
-    async def run_attempt(self, task: dict) -> AttemptResult:
+    async def run_attempt(self, task: dict, index: int = 0) -> AttemptResult:
+        """Run one attempt of ``task``; ``index``: the rollout's index in its group (or an
+        evaluation's sample index), part of its sampling seed."""
         rollout_id, attempt_id = uuid.uuid4().hex, "0"
+        sampling_seed = None if self.seed is None else \
+            seeding.rollout_seed(self.seed, task["task_id"], index, attempt_id)
         group_size = int(task.get("group_size") or self.group_size_default)
         timeout = self.timeout_s if self.timeout_s is not None else float(task.get("timeout_s") or 120.0)
         try:
@@ -192,7 +199,8 @@ class Runner:
             await self._retrying(f"rollout {rollout_id} started", lambda: self.sink.produce(started))
             status, error, result = "succeeded", None, None
             try:
-                with instrument.rollout_context(rollout_id, attempt_id, record_to=self.record_to):
+                with instrument.rollout_context(rollout_id, attempt_id, record_to=self.record_to,
+                                                sampling_seed=sampling_seed):
                     if inspect.iscoroutinefunction(self.agent):
                         coro = self.agent(ctx)
                     else:  # to_thread copies the context, so the thread's spans are stamped too
@@ -220,7 +228,7 @@ class Runner:
 
     async def run_task(self, task: dict) -> list[AttemptResult]:
         n = int(task.get("group_size") or self.group_size_default)
-        return list(await asyncio.gather(*(self.run_attempt(task) for _ in range(n))))
+        return list(await asyncio.gather(*(self.run_attempt(task, k) for k in range(n))))
 
     async def run_tasks(self, tasks: list[dict]) -> list[list[AttemptResult]]:
         """Run a fixed batch of Task dicts directly (no tasks topic, no consumer group)."""

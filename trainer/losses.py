@@ -96,7 +96,7 @@ def dual_clip(per_token: torch.Tensor, advantages: torch.Tensor, ratio_cap: floa
     return torch.where(advantages < 0, torch.minimum(per_token, -ratio_cap * advantages), per_token)
 
 
-LOSS_AGGREGATIONS = ("token_mean", "per_rollout_mean")
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "per_rollout_mean")
 
 
 def sequence_loss_weights(rollout_keys: list, completion_lengths: list[int], agg: str = "token_mean") -> list[float]:
@@ -105,6 +105,9 @@ def sequence_loss_weights(rollout_keys: list, completion_lengths: list[int], agg
 
     - ``token_mean``: ``w_i = 1 / N``, N = completion tokens of the update (DAPO's token-level
       loss, arXiv 2503.14476 s3.3): a rollout with many calls weighs more.
+    - ``sequence_mean``: every sample (one LLM call) weighs the same and its tokens share that
+      weight, ``w_i = 1 / (S * L_i)`` with S samples in the update: GRPO's own objective, the
+      mean over outputs of per-output token means (DeepSeekMath, arXiv 2402.03300 eq. 3).
     - ``per_rollout_mean``: every rollout weighs the same and its tokens share its weight,
       ``w_i = 1 / (R * L_r(i))`` with R rollouts in the update and ``L_r`` the completion
       tokens of rollout r (Agent Lightning's ``per_rollout_mean`` loss option): a failed
@@ -113,13 +116,17 @@ def sequence_loss_weights(rollout_keys: list, completion_lengths: list[int], agg
     ``rollout_keys[i]``: the rollout (e.g. ``(rollout_id, attempt_id)``) of sample i;
     ``completion_lengths[i] > 0``. Raises ValueError for an unknown ``agg`` or mismatched
     lengths. Example: lengths [2, 2, 4] of rollouts [a, a, b] give token_mean [1/8]*3 and
-    per_rollout_mean [1/8, 1/8, 1/8]; lengths [1, 1, 6] give [1/8]*3 and [1/4, 1/4, 1/12].
+    per_rollout_mean [1/8, 1/8, 1/8]; lengths [1, 1, 6] give [1/8]*3 and [1/4, 1/4, 1/12];
+    sequence_mean of lengths [2, 2, 4]: [1/6, 1/6, 1/12].
     """
     if len(rollout_keys) != len(completion_lengths):
         raise ValueError("one rollout key per completion length")
     if agg == "token_mean":
         n = sum(completion_lengths)
         return [1.0 / n] * len(completion_lengths)
+    if agg == "sequence_mean":
+        s = len(completion_lengths)
+        return [1.0 / (s * length) for length in completion_lengths]
     if agg == "per_rollout_mean":
         per_rollout: dict = {}
         for key, length in zip(rollout_keys, completion_lengths):
@@ -127,6 +134,15 @@ def sequence_loss_weights(rollout_keys: list, completion_lengths: list[int], agg
         r = len(per_rollout)
         return [1.0 / (r * per_rollout[key]) for key in rollout_keys]
     raise ValueError(f"unknown loss aggregation {agg!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of the k3 estimator of KL(pi_theta || pi_ref) on the sampled tokens,
+    ``exp(ref - logp) - (ref - logp) - 1`` (>= 0; DeepSeekMath, arXiv 2402.03300 eq. 4, the
+    term :func:`ppo_clip_loss` adds with ``kl_coef``). ``[B, T]`` tensors; a scalar.
+    Example: logp = log 0.5, ref = log 0.25 per token -> 0.5 - log 0.5 - 1 = 0.1931."""
+    log_ratio = ref_logp - logp
+    return masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, completion_mask)
 
 
 def approx_kl(logp: torch.Tensor, behaviour_logp: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -156,6 +172,54 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: list, eps: float = 1e-6) -
         r = rewards[idx].float()
         out[idx] = (r - r.mean()) / (r.std(unbiased=False) + eps)
     return out
+
+
+def dr_grpo_advantages(returns: list[float], group_means: list[float]) -> list[float]:
+    """Dr. GRPO advantages ``A_i = R_i - mean_group(R)``: GRPO's group baseline without the
+    division by the group's std (Liu et al. 2025, "Understanding R1-Zero-Like Training",
+    arXiv 2503.20783 s3.1: dividing by std weighs groups of nearly equal rewards up, a
+    question-level difficulty bias). ``returns[i]``: sample i's episode return R;
+    ``group_means[i]``: the mean return of its group (the sample's ``group_mean``).
+    Example: a format-only group R = [0.1]*5 + [0] has mean 0.0833: A = [+0.0167]*5 + [-0.0833]
+    (GRPO: [+0.447]*5 + [-2.236]); a group [1, 0] gives [+0.5, -0.5] (GRPO: [+1, -1]).
+    Raises ValueError when the lists differ in length."""
+    if len(returns) != len(group_means):
+        raise ValueError(f"{len(returns)} returns for {len(group_means)} group means")
+    return [float(r) - float(m) for r, m in zip(returns, group_means)]
+
+
+def zero_variance_samples(group_stds: list[float], group_rollouts: list[int], eps: float = 1e-9) -> list[bool]:
+    """Which samples belong to a group whose rollouts all got the same return (std 0 with
+    more than one member): their GRPO advantage is 0, they give no policy gradient but cost a
+    full forward and backward. DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476
+    s3.2) keeps only groups with 0 < accuracy < 1; dropping such samples before the update is
+    the filtering half of it (no over-sampling to refill the batch). Groups of one are not
+    zero-variance here (they get the batch baseline, :func:`singleton_batch_advantages`).
+    Example: stds [0, 0.5, 0], rollouts [6, 6, 1] -> [True, False, False]."""
+    if len(group_stds) != len(group_rollouts):
+        raise ValueError(f"{len(group_stds)} group stds for {len(group_rollouts)} group sizes")
+    return [abs(float(s)) <= eps and int(n) > 1 for s, n in zip(group_stds, group_rollouts)]
+
+
+def mini_batch_indices(keys: list, n: int) -> list[list[int]]:
+    """Split an update's samples into ``n`` mini-batches, one optimizer step each (PPO's
+    epochs x mini-batches, Schulman et al. 2017 s5 / CleanRL ``num_minibatches``), in a
+    deterministic order: sample indices sorted by ``keys[i]`` (any sortable key, e.g.
+    ``(task_id, rollout_id, sequence_id)``), then cut into ``n`` consecutive parts whose sizes
+    differ by at most one (the first ``len % n`` get one more). The same samples in any
+    arrival order give the same mini-batches. ``n`` is capped at the number of samples; raises
+    ValueError for n < 1. Example: keys [c, a, b, d, e], n 2 -> [[1, 2, 0], [3, 4]]."""
+    if n < 1:
+        raise ValueError(f"mini_batches must be >= 1, got {n}")
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    n = max(1, min(n, len(order)))
+    size, extra = divmod(len(order), n)
+    out, start = [], 0
+    for j in range(n):
+        end = start + size + (1 if j < extra else 0)
+        out.append(order[start:end])
+        start = end
+    return [m for m in out if m]
 
 
 def reinforce_pp_advantages(returns: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

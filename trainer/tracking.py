@@ -75,7 +75,8 @@ def update_scalars(metrics: Mapping, samples: list[dict], trained_version: int) 
                      ("train/grad_norm", "grad_norm"), ("train/lr", "lr"), ("train/advantage_std", "advantage_std"),
                      ("train/mean_advantage", "mean_advantage"), ("train/tokens_per_s", "tokens_per_s"),
                      ("train/samples", "samples"), ("train/update_s", "update_s"),
-                     ("train/mean_return", "mean_return")):
+                     ("train/mean_return", "mean_return"), ("train/ref_kl", "ref_kl"),
+                     ("train/dropped_zero_variance", "dropped_zero_variance"), ("train/steps", "steps")):
         put(tag, metrics.get(key))
     rewards = [float(s["transition"]["reward"]) for s in samples]
     mean, std = _mean_std(rewards)

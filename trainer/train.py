@@ -67,9 +67,27 @@ class TrainerConfig(BaseSettings):
     lr: float = 1e-5
     weight_decay: float = 0.0
     clip_eps: float = 0.2
-    #: how tokens are weighed in the loss: token_mean | per_rollout_mean (losses.sequence_loss_weights)
+    #: how tokens are weighed in the loss: token_mean | sequence_mean | per_rollout_mean
+    #: (losses.sequence_loss_weights)
     loss_agg: str = "token_mean"
-    kl_coef: float = 0.0  # KL to the behaviour policy is not used; ref-model KL is not loaded (0 = off)
+    #: grpo: divide the group baseline's residual by the group's std (GRPO); false: Dr. GRPO's
+    #: ``R - group_mean`` (losses.dr_grpo_advantages)
+    advantage_std_scale: bool = True
+    #: leave out samples of groups whose rollouts all got the same return before an update
+    #: (DAPO's dynamic-sampling filter, losses.zero_variance_samples); counted per update
+    drop_zero_variance: bool = False
+    #: weight of the k3 KL to the reference policy (the base weights, a frozen second copy
+    #: of the model in memory: +1 model of RAM and one more forward per micro-batch); 0: off,
+    #: no reference model is loaded (DeepSeekMath eq. 4)
+    kl_coef: float = 0.0
+    #: optimizer steps per update: the update's samples in content order cut into this many
+    #: mini-batches (losses.mini_batch_indices), one step each, every PPO epoch
+    mini_batches: int = 1
+    #: when an update happens: ``stream`` (min_batch samples buffered, or idle_flush_s without
+    #: new ones; max_batch at most) or ``barrier`` (only on ``POST /admin/train`` with the
+    #: offsets to train up to: every buffered sample below them is one update, whatever its
+    #: count; a run whose batches do not depend on timing, the main job's deterministic mode)
+    batching: str = "stream"
     grad_clip: float = 1.0
     ppo_epochs: int = 1
     min_batch: int = 16
@@ -87,7 +105,8 @@ class TrainerConfig(BaseSettings):
     max_updates: int | None = None  # stop after this many updates (tests, benchmarks)
     log_path: Path | None = None  # JSON lines; default: settings.state_dir/trainer-<run>.jsonl
     http: bool = True
-    seed: int = 0
+    #: torch's seed (None: the run seed SPANRL_SEED, else 0)
+    seed: int | None = None
     #: staleness bound (trainer/staleness.py): the largest lag, trained version minus a
     #: sample's behaviour version, trained as usual (< 0: no bound); beyond it a sample is
     #: refused (dead letter ``stale_sample``) or, ``stale_policy=keep``, trained with the
@@ -163,6 +182,16 @@ def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0
     return engine
 
 
+def load_reference_model(model_dir: Path):
+    """The reference policy for the KL term: the model of ``model_dir`` in eval mode with every
+    parameter frozen (no gradients, no optimizer state: one more copy of the weights in memory)."""
+    model = load_model(model_dir)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def load_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
@@ -175,21 +204,30 @@ def load_model(model_dir: Path):
 
 # ---- one update (algorithm) -----------------------------------------------------------
 
-def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_advantage: str = "batch") -> list[float]:
+def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_advantage: str = "batch",
+                      advantage_std_scale: bool = True) -> list[float]:
     """The advantage of each sample in an update. ``reinforce_pp``: each sample's credited
     ``reward`` normalised over the update (:func:`losses.reinforce_pp_advantages`); ``grpo``:
-    the sample's group advantage (the stream job's, of R), except, with
-    ``singleton_advantage="batch"``, samples of a group of one (``group_rollouts`` 1), which
-    get the batch baseline of their returns (:func:`losses.singleton_batch_advantages`);
-    ``"zero"`` keeps their 0. Hand-made samples without ``group_rollouts`` (tests, bench) keep
-    their own advantage. Raises ValueError for an unknown algorithm or singleton_advantage.
+    the sample's group advantage (the stream job's, of R), or with ``advantage_std_scale``
+    False Dr. GRPO's ``R - group_mean`` (:func:`losses.dr_grpo_advantages`, from the sample's
+    ``group_mean``), except, with ``singleton_advantage="batch"``, samples of a group of one
+    (``group_rollouts`` 1), which get the batch baseline of their returns
+    (:func:`losses.singleton_batch_advantages`); ``"zero"`` keeps their 0. Hand-made samples
+    without ``group_rollouts`` (tests, bench) keep their own advantage. Raises ValueError for
+    an unknown algorithm or singleton_advantage.
     Example: rewards [0.75, 1.05, 0, 0] -> reinforce_pp [0.65, 1.30, -0.97, -0.97] (rounded)."""
     if algorithm == "reinforce_pp":
         # REINFORCE++ (arXiv 2501.03262) s3: the return of each action, normalised over the batch
         return losses.reinforce_pp_advantages(torch.tensor([s["transition"]["reward"] for s in samples])).tolist()
     if algorithm != "grpo":
         raise ValueError(f"unknown algorithm {algorithm!r}")
-    advantages = [s["advantage"] for s in samples]
+    if advantage_std_scale:
+        advantages = [s["advantage"] for s in samples]
+    else:
+        advantages = [a if "group_mean" not in s else d for s, a, d in zip(
+            samples, [s["advantage"] for s in samples],
+            losses.dr_grpo_advantages([s["transition"]["episode_return"] for s in samples],
+                                      [s.get("group_mean", 0.0) for s in samples]))]
     if singleton_advantage == "zero":
         return advantages
     if singleton_advantage != "batch":
@@ -199,79 +237,142 @@ def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_ad
         torch.tensor(advantages), returns, torch.tensor([s.get("group_rollouts", 2) for s in samples])).tolist()
 
 
+def sample_key(sample: dict) -> tuple:
+    """A key that orders an update's samples by content alone (task, then the digest of the
+    prompt and completion token ids), so the same samples in any arrival order are trained in
+    the same order and split into the same mini-batches (rollout ids are random; token ids
+    are reproducible from a run seed)."""
+    import hashlib
+
+    t = sample["transition"]
+    h = hashlib.sha1()
+    for ids in (t["prompt_token_ids"], t["completion_token_ids"]):
+        h.update(len(ids).to_bytes(4, "little"))
+        h.update(b"".join(int(x).to_bytes(4, "little", signed=True) for x in ids))
+    return t.get("task_id", ""), h.hexdigest()
+
+
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
                  pad_token_id: int = 0, algorithm: str = "grpo", kl_coef: float = 0.0,
                  micro_batch_tokens: int | None = None, loss_agg: str = "token_mean",
-                 singleton_advantage: str = "batch", ratio_cap: float | None = None) -> dict:
-    """One policy update on ``samples``: ``ppo_epochs`` optimizer steps, each over all
-    samples, micro-batched; ``loss_agg`` weighs tokens (``losses.sequence_loss_weights``:
-    token_mean or per_rollout_mean); ``ratio_cap``: dual-clip (``losses.dual_clip``; None:
-    off); returns metrics of the update. ``reinforce_pp`` normalises each call's credited
-    ``reward`` over the batch (the credit rule's return of that call, AIR's intermediate
-    rewards included; with identical credit and no AIR it is the episode return R)."""
+                 singleton_advantage: str = "batch", ratio_cap: float | None = None,
+                 advantage_std_scale: bool = True, drop_zero_variance: bool = False,
+                 mini_batches: int = 1, ref_model=None) -> dict:
+    """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
+    optimizer steps over a deterministic split of the samples (:func:`sample_key`,
+    :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
+    mini-batch (``losses.sequence_loss_weights``: token_mean, sequence_mean or
+    per_rollout_mean); ``ratio_cap``: dual-clip (``losses.dual_clip``; None: off).
+    ``advantage_std_scale`` False: Dr. GRPO advantages (:func:`sample_advantages`).
+    ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
+    out before the update (:func:`losses.zero_variance_samples`; counted as
+    ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
+    ``ref_model`` (frozen, the base weights): the k3 KL to the reference policy is computed
+    per token, logged as ``ref_kl`` (token mean) and added to the loss times ``kl_coef``
+    (DeepSeekMath eq. 4); without it ``kl_coef`` has nothing to act on.
+    ``reinforce_pp`` normalises each call's credited ``reward`` over the batch (the credit
+    rule's return of that call, AIR's intermediate rewards included; with identical credit and
+    no AIR it is the episode return R). Returns the update's metrics (those of the first
+    epoch for the ratio statistics)."""
     t0 = time.perf_counter()
-    advantages = sample_advantages(samples, algorithm, singleton_advantage)
-    if micro_batch_tokens:  # pack by padded tokens, longest first
-        groups = batching.token_budget_batches(samples, micro_batch_tokens, micro_batch)
-    else:
-        groups = batching.micro_batches(list(range(len(samples))), micro_batch)
-    chunks = [batching.collate([samples[i] for i in g], pad_token_id, [advantages[i] for i in g]) for g in groups]
-    seq_w = losses.sequence_loss_weights(
-        [(s["transition"].get("rollout_id", i), s["transition"].get("attempt_id")) for i, s in enumerate(samples)],
-        [len(s["transition"]["completion_token_ids"]) for s in samples], loss_agg)
-    chunk_w = [torch.tensor([seq_w[i] for i in g], dtype=torch.float32) for g in groups]
-    n_tokens = sum(b.num_completion_tokens for b in chunks)
+    received = len(samples)
+    samples = sorted(samples, key=sample_key)  # content order: arrival order changes nothing
+    dropped = 0
+    if drop_zero_variance:
+        zero = losses.zero_variance_samples([s.get("group_std", 1.0) for s in samples],
+                                            [s.get("group_rollouts", 2) for s in samples])
+        dropped = sum(zero)
+        samples = [s for s, z in zip(samples, zero) if not z]
+    base = {"samples_received": received, "dropped_zero_variance": dropped, "samples": len(samples),
+            "loss_agg": loss_agg, "mini_batches": 0, "steps": 0}
+    if not samples:
+        return {**base, "update_s": time.perf_counter() - t0}
+    use_ref = ref_model is not None
+    advantages = sample_advantages(samples, algorithm, singleton_advantage, advantage_std_scale)
+    minis = losses.mini_batch_indices([sample_key(s) for s in samples], mini_batches)
+    plan = []  # per mini-batch: (micro-batch tensors, per-sample weights, completion tokens)
+    for mini in minis:
+        sub = [samples[i] for i in mini]
+        if micro_batch_tokens:  # pack by padded tokens, longest first
+            groups = batching.token_budget_batches(sub, micro_batch_tokens, micro_batch)
+        else:
+            groups = batching.micro_batches(list(range(len(sub))), micro_batch)
+        chunks = [batching.collate([sub[i] for i in g], pad_token_id, [advantages[mini[i]] for i in g])
+                  for g in groups]
+        seq_w = losses.sequence_loss_weights(
+            [(s["transition"].get("rollout_id", i), s["transition"].get("attempt_id")) for i, s in enumerate(sub)],
+            [len(s["transition"]["completion_token_ids"]) for s in sub], loss_agg)
+        chunk_w = [torch.tensor([seq_w[i] for i in g], dtype=torch.float32) for g in groups]
+        plan.append((chunks, chunk_w, seq_w, mini))
+    n_tokens = sum(b.num_completion_tokens for chunks, _, _, _ in plan for b in chunks)
     device = engine.device
     engine.train()
-    stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
+    stats = {}
+    steps = 0
     for epoch in range(ppo_epochs):
-        epoch_stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
-        for i, b in enumerate(chunks):
-            engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
-            b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
-                                                        b.behaviour_logprobs, b.advantages, b.returns)))
-            token_w = b.completion_mask * chunk_w[i].to(device)[:, None]  # [B, T]
-            # logits only over the trailing window that predicts completion tokens
-            # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
-            K = batching.completion_window(b)
-            logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask, logits_to_keep=K).logits
-            b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
-                               b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
-            token_w = token_w[:, -K:]
-            logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
-            # weights of the whole update sum to 1 (token mean, or per-rollout mean)
-            loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
-                                        clip_eps=clip_eps, kl_coef=kl_coef, token_weights=token_w,
-                                        ratio_cap=ratio_cap)
-            engine.backward(loss, scale_wrt_gas=False)
-            with torch.no_grad():
-                w = b.num_completion_tokens / n_tokens
-                epoch_stats["loss"] += float(loss)
-                epoch_stats["approx_kl"] += w * float(losses.approx_kl(logp, b.behaviour_logprobs, b.completion_mask))
-                epoch_stats["clip_frac"] += w * float(losses.clip_fraction(logp, b.behaviour_logprobs,
-                                                                           b.completion_mask, clip_eps))
-            del logits, logp, loss
-        engine.step()
+        epoch_stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0, **({"ref_kl": 0.0} if use_ref else {})}
+        for chunks, chunk_w, _, _ in plan:
+            for i, b in enumerate(chunks):
+                engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+                b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
+                                                            b.behaviour_logprobs, b.advantages, b.returns)))
+                token_w = b.completion_mask * chunk_w[i].to(device)[:, None]  # [B, T]
+                # logits only over the trailing window that predicts completion tokens
+                # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
+                K = batching.completion_window(b)
+                logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask, logits_to_keep=K).logits
+                ref_logp = None
+                if use_ref:
+                    with torch.no_grad():
+                        ref_logits = ref_model(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                               logits_to_keep=K).logits
+                b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
+                                   b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
+                token_w = token_w[:, -K:]
+                logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
+                if use_ref:
+                    ref_logp = losses.token_logprobs(ref_logits, b.input_ids, b.completion_mask)
+                    del ref_logits
+                # weights of the mini-batch sum to 1 (token mean, sequence mean or per-rollout mean)
+                loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
+                                            clip_eps=clip_eps, kl_coef=kl_coef,
+                                            ref_logp=ref_logp, token_weights=token_w, ratio_cap=ratio_cap)
+                engine.backward(loss, scale_wrt_gas=False)
+                with torch.no_grad():
+                    w = b.num_completion_tokens / n_tokens
+                    epoch_stats["loss"] += float(loss) / len(plan)
+                    epoch_stats["approx_kl"] += w * float(losses.approx_kl(logp, b.behaviour_logprobs,
+                                                                           b.completion_mask))
+                    epoch_stats["clip_frac"] += w * float(losses.clip_fraction(logp, b.behaviour_logprobs,
+                                                                               b.completion_mask, clip_eps))
+                    if use_ref:
+                        epoch_stats["ref_kl"] += w * float(losses.reference_kl(logp, ref_logp, b.completion_mask))
+                del logits, logp, loss, ref_logp
+            engine.step()
+            steps += 1
+            if epoch == 0 and "grad_norm" not in epoch_stats:
+                epoch_stats["grad_norm"] = _grad_norm(engine)  # of the first mini-batch's step
         if epoch == 0:
             stats = epoch_stats  # metrics of the first epoch: ratio vs. the behaviour policy
-            stats["grad_norm"] = _grad_norm(engine)
     engine.set_gradient_accumulation_boundary(None)
     dt = time.perf_counter() - t0
-    total_tokens = sum(b.num_tokens for b in chunks)
+    total_tokens = sum(b.num_tokens for chunks, _, _, _ in plan for b in chunks)
     mean_adv = sum(advantages) / len(advantages)
+    # the advantage as the loss weighs it (token_mean: the token-weighted mean), over the update
+    weighted = sum(w * advantages[mini[j]] * len(samples[mini[j]]["transition"]["completion_token_ids"])
+                   for _, _, seq_w, mini in plan for j, w in enumerate(seq_w)) / len(plan)
     return {
+        **base,
         **stats,
         "lr": _learning_rate(engine),
         "advantage_std": (sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)) ** 0.5,
         "mean_return": sum(s["transition"]["episode_return"] for s in samples) / len(samples),
         "mean_reward": sum(s["transition"]["reward"] for s in samples) / len(samples),
-        "mean_advantage": sum(advantages) / len(advantages),
-        # the advantage as the loss weighs it (token_mean: the token-weighted mean)
-        "weighted_advantage": sum(w * a * len(s["transition"]["completion_token_ids"])
-                                  for w, a, s in zip(seq_w, advantages, samples)),
+        "mean_advantage": mean_adv,
+        "weighted_advantage": weighted,
         "zero_advantage_fraction": sum(1 for a in advantages if abs(a) < 1e-9) / len(advantages),
-        "loss_agg": loss_agg,
-        "samples": len(samples),
+        "mini_batches": len(plan),
+        "steps": steps,
         "completion_tokens": n_tokens,
         "tokens": total_tokens,
         "update_s": dt,
@@ -349,6 +450,9 @@ class TrainerState:
     last_checkpoint: str | None = None
     pending_checkpoint: str | None = None  # saved, upload/announce not finished yet
     retries: int = 0  # retried MinIO/Kafka operations since start
+    batching: str = "stream"
+    #: barrier batching: the offsets ``POST /admin/train`` asked to train up to (``topic:p`` -> next offset)
+    train_until: dict = field(default_factory=dict)
     #: staleness (trainer/staleness.py) since start: the bound, the lag histogram of the
     #: samples trained ({"lag": count}), samples refused (dead letter stale_sample) and kept
     staleness: dict = field(default_factory=lambda: {"max_staleness": None, "policy": None,
@@ -399,6 +503,9 @@ async def _partitions(consumer, topic: str, wait_s: float = 10.0) -> list[int]:
         await asyncio.sleep(0.2)
 
 
+BATCHING_MODES = ("stream", "barrier")
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, settings=None):
         self.cfg = cfg
@@ -416,6 +523,17 @@ class Trainer:
         self._consumed_from: dict[str, int] = {}
         self.tracker: tracking.Tracker = tracking.NullTracker()  # set in _serve (SPANRL_TRACKER)
         self.staleness_rule = staleness.StalenessRule(cfg.max_staleness, cfg.stale_policy)  # ValueError if bad
+        if cfg.batching not in BATCHING_MODES:
+            raise ValueError(f"unknown batching {cfg.batching!r}; known: {', '.join(BATCHING_MODES)}")
+        if cfg.loss_agg not in losses.LOSS_AGGREGATIONS:
+            raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: {', '.join(losses.LOSS_AGGREGATIONS)}")
+        if cfg.mini_batches < 1:
+            raise ValueError(f"mini_batches must be >= 1, got {cfg.mini_batches}")
+        if cfg.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
+        self.state.batching = cfg.batching
+        self.ref_model = None  # the reference policy (base weights) when kl_coef > 0
+        self._train_until: dict[int, int] = {}  # barrier batching: partition -> next offset to train up to
         self.state.staleness.update(max_staleness=cfg.max_staleness, policy=cfg.stale_policy)
         # what the next checkpoint's manifest reports (since its parent)
         self._since_parent = {"lag_histogram": {}, "refused": 0, "kept": 0}
@@ -619,8 +737,9 @@ class Trainer:
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
         """Run until ``max_updates`` or :meth:`stop` (a stop during a retry ends it too)."""
-        torch.manual_seed(self.cfg.seed)
+        torch.manual_seed(self.torch_seed)
         http = await start_http(self.settings.host, self.settings.trainer_port, self.status,
+                                post_routes={"/admin/train": self.request_train},
                                 metrics_fn=lambda: tracking.trainer_families(self.status())) \
             if self.cfg.http else None
         self.tracker = tracking.tracker_for(self.settings, self.run, "trainer")
@@ -632,6 +751,57 @@ class Trainer:
             self.tracker.close()
             if http is not None:
                 await http.cleanup()
+
+    @property
+    def torch_seed(self) -> int:
+        """torch's seed: ``SPANRL_TRAINER_SEED``, else the run seed ``SPANRL_SEED``, else 0."""
+        if self.cfg.seed is not None:
+            return self.cfg.seed
+        return self.settings.seed if self.settings.seed is not None else 0
+
+    async def request_train(self, body: dict) -> tuple[int, dict]:
+        """``POST /admin/train {"until": {"<samples topic>:<partition>": next offset, ...}}``
+        (barrier batching): train every sample below these offsets as one update as soon as
+        they are read; answers 202 with the offsets now asked for. 409 ``not_barrier`` when the
+        trainer batches by stream; 400 ``invalid_until`` for offsets that are not a mapping of
+        this trainer's samples partitions to integers >= 0."""
+        if self.cfg.batching != "barrier":
+            return 409, {"error": "not_barrier", "detail": f"SPANRL_TRAINER_BATCHING is {self.cfg.batching!r}: "
+                                                          "updates are cut by the stream, not on request"}
+        until = body.get("until")
+        parsed: dict[int, int] = {}
+        if not isinstance(until, dict) or not until:
+            return 400, {"error": "invalid_until", "detail": "until must be a non-empty object of "
+                                                            f"'{self.cfg.samples_topic}:<partition>' -> offset"}
+        for key, off in until.items():
+            topic, _, part = str(key).rpartition(":")
+            if topic != self.cfg.samples_topic or not part.isdigit() or isinstance(off, bool) \
+                    or not isinstance(off, int) or off < 0:
+                return 400, {"error": "invalid_until", "detail": f"{key!r}: {off!r} is not "
+                                                                f"'{self.cfg.samples_topic}:<partition>' -> offset >= 0"}
+            parsed[int(part)] = off
+        for p, off in parsed.items():
+            self._train_until[p] = max(self._train_until.get(p, 0), off)
+        self.state.train_until = {f"{self.cfg.samples_topic}:{p}": o for p, o in sorted(self._train_until.items())}
+        return 202, {"until": self.state.train_until}
+
+    def _barrier_head(self, buffer: list, positions: dict[int, int]) -> list | None:
+        """Barrier batching: the entries of ``buffer`` below the requested offsets once the
+        consumer has read up to every one of them (``positions``: partition -> next offset to
+        read), else None (wait). Entries of the requested partitions at or past the offsets,
+        and of other partitions, stay buffered."""
+        pending = dict(self._train_until)
+        if not pending or any(positions.get(p, 0) < off for p, off in pending.items()):
+            return None
+        return [e for e in buffer if e[0] in pending and e[1] < pending[e[0]]]
+
+    def _barrier_done(self, trained: dict[int, int]) -> None:
+        """The offsets ``trained`` (partition -> offset) were trained: forget the requests they
+        cover (one that asked further while the update ran stays)."""
+        for p, off in trained.items():
+            if self._train_until.get(p, 0) <= off:
+                self._train_until.pop(p, None)
+        self.state.train_until = {f"{self.cfg.samples_topic}:{p}": o for p, o in sorted(self._train_until.items())}
 
     async def _serve(self) -> None:
         from transformers import AutoTokenizer
@@ -645,6 +815,11 @@ class Trainer:
         self.engine = await asyncio.to_thread(build_engine, model, lr=self.cfg.lr,
                                               weight_decay=self.cfg.weight_decay,
                                               micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
+        if self.cfg.kl_coef > 0:  # the reference policy: the base weights, frozen
+            self.ref_model = await asyncio.to_thread(load_reference_model, self.base_dir)
+            self.emit({"event": "reference_model", "run": self.run, "model_dir": str(self.base_dir),
+                       "parameters": sum(p.numel() for p in self.ref_model.parameters()),
+                       "bytes": sum(p.numel() * p.element_size() for p in self.ref_model.parameters())})
         consumer, tps = await self._retry("open samples consumer", self.open_consumer)
         try:
             sources = await self._retry("seek samples", lambda: self.seek_start(consumer, tps))
@@ -669,11 +844,24 @@ class Trainer:
                         buffer.append((tp.partition, m.offset, s))
                 good = sum(1 for _, _, s in buffer if s is not None)
                 self.state.buffered = good
-                idle = time.monotonic() - last_arrival >= self.cfg.idle_flush_s
-                if good >= self.cfg.min_batch or (good > 0 and idle):
+                if self.cfg.batching == "barrier":
+                    positions = {p: await consumer.position(tp) for p, tp in tps.items()}
+                    asked = dict(self._train_until)
+                    head = self._barrier_head(buffer, positions)
+                    if head is None:
+                        continue
+                    taken = {(p, off) for p, off, _ in head}
+                    buffer = [e for e in buffer if (e[0], e[1]) not in taken]
+                    if head:
+                        await self._train(head, pad_id, publish_empty=True)
+                    self._barrier_done(asked)
+                else:
+                    idle = time.monotonic() - last_arrival >= self.cfg.idle_flush_s
+                    if not (good >= self.cfg.min_batch or (good > 0 and idle)):
+                        continue
                     buffer = await self._update(buffer, pad_id)
-                    if self.cfg.max_updates and self.state.updates >= self.cfg.max_updates:
-                        break
+                if self.cfg.max_updates and self.state.updates >= self.cfg.max_updates:
+                    break
         finally:
             await consumer.stop()
             if self._dead_producer is not None:
@@ -689,6 +877,15 @@ class Trainer:
             taken += 1
             good += s is not None
         head, rest = buffer[:taken], buffer[taken:]
+        await self._train(head, pad_id)
+        return rest
+
+    async def _train(self, head: list, pad_id: int, publish_empty: bool = False) -> None:
+        """One update on the good samples of ``head`` (``(partition, offset, sample or None)``)
+        under the staleness rule; the trained offsets advance past all of ``head``. With
+        ``publish_empty`` (barrier batching) a checkpoint is published even when no step was
+        taken (every sample stale or of a zero-variance group), so every request ends in a
+        version that records its offsets."""
         samples, lags, kept = await self._bound_staleness(head)
         trained_version = self.state.version
         if samples:
@@ -698,7 +895,10 @@ class Trainer:
                 ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
                 singleton_advantage=self.cfg.singleton_advantage,
                 kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg,
-                ratio_cap=self.cfg.ratio_cap if kept else None)
+                ratio_cap=self.cfg.ratio_cap if kept else None,
+                advantage_std_scale=self.cfg.advantage_std_scale,
+                drop_zero_variance=self.cfg.drop_zero_variance,
+                mini_batches=self.cfg.mini_batches, ref_model=self.ref_model)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)
         before = dict(self.state.trained_offsets)
@@ -706,13 +906,15 @@ class Trainer:
             key = f"{self.cfg.samples_topic}:{p}"
             self.state.trained_offsets[key] = max(self.state.trained_offsets.get(key, 0), off + 1)
         if not samples:  # every sample was stale: consumed (in the next checkpoint's ranges), no update
-            return rest
+            if publish_empty:
+                await self.publish()
+            return
         hist = staleness.lag_histogram(lags)
         for acc in (self.state.staleness, self._since_parent):
             acc["lag_histogram"] = staleness.add_histograms(acc["lag_histogram"], hist)
             acc["kept"] += kept
         metrics = {**metrics, "max_lag": max(lags), "mean_lag": sum(lags) / len(lags)}
-        self.state.step += self.cfg.ppo_epochs
+        self.state.step += metrics["steps"]
         self.state.updates += 1
         self.state.last_metrics = metrics
         try:  # x axis: the optimizer step (continues across restarts: it is in the manifest)
@@ -725,9 +927,8 @@ class Trainer:
                    "offsets": dict(self.state.trained_offsets),
                    "consumed": checkpoint.consumed_ranges(before, self.state.trained_offsets),
                    "skipped": dict(self.state.skipped)})
-        if self.state.updates % self.cfg.checkpoint_every == 0:
+        if self.state.updates % self.cfg.checkpoint_every == 0 or publish_empty:
             await self.publish()
-        return rest
 
     async def _bound_staleness(self, head: list) -> tuple[list[dict], list[int], int]:
         """The samples of ``head`` (``(partition, offset, sample or None)``) to train under the

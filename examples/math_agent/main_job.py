@@ -51,10 +51,11 @@ from spanrl.trainer import tracking
 #: 20 s for more samples before training on fewer than min_batch.
 DEMO_TRAINER_ENV = {
     "SPANRL_TRAINER_LR": "5e-5",
-    "SPANRL_TRAINER_MIN_BATCH": "24",
-    "SPANRL_TRAINER_MAX_BATCH": "48",
-    "SPANRL_TRAINER_IDLE_FLUSH_S": "20",
     "SPANRL_TRAINER_LOSS_AGG": "token_mean",
+    # one update per iteration on exactly that iteration's samples (POST /admin/train), so a
+    # run's batches do not depend on timing and every call of an iteration is served by one version
+    "SPANRL_TRAINER_BATCHING": "barrier",
+    "SPANRL_TRAINER_MINI_BATCHES": "2",
 }
 
 
@@ -78,6 +79,10 @@ class MainJobConfig:
     heldout_seed: int = HELDOUT_SEED
     heldout_tasks: int = 200
     heldout_modes: tuple = ("sampled", "greedy")
+    #: out of distribution, never trained on: base and final on ``ood_tasks`` tasks of
+    #: ``ood_task_set`` (math agent only; 0: none), in each of ``heldout_modes``
+    ood_task_set: str = "gsm_symbolic"
+    ood_tasks: int = 100
     concurrency: int = 8
     rollout_timeout_s: float = 180.0
     stage_timeout_s: float = 900.0
@@ -161,6 +166,15 @@ def _get_json(url: str, tries: int = 5) -> dict:
 
 def _trainer_status(s: Settings) -> dict:
     return _get_json(f"http://{s.host}:{s.trainer_port}/status")
+
+
+def _request_training(s: Settings, samples_next: dict[int, int]) -> dict:
+    """Ask a barrier-batching trainer to train every sample below ``samples_next``
+    (partition -> the offset after the iteration's last sample) as one update."""
+    r = httpx.post(f"http://{s.host}:{s.trainer_port}/admin/train", timeout=30,
+                   json={"until": {f"{T.SAMPLES.name}:{p}": off for p, off in sorted(samples_next.items())}})
+    r.raise_for_status()
+    return r.json()
 
 
 def _served_version(s: Settings) -> int:
@@ -253,7 +267,10 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     await run_task
     # Stage 2: the trainer has trained past every sample of this iteration (its trained
     # offsets, which go into the checkpoint manifest), and the reloader serves that version.
+    # A trainer with barrier batching trains exactly this iteration's samples when asked.
     progress.update(bar, description=f"iter {it}: training + reload", total=None)
+    if samples and _trainer_status(s).get("batching") == "barrier":
+        _request_training(s, samples_next)
     deadline = time.monotonic() + cfg.stage_timeout_s
     while samples and time.monotonic() < deadline:
         absorb(await reader.poll())
@@ -329,18 +346,38 @@ def _task_set(cfg: MainJobConfig, split: str) -> str:
     return cfg.task_set if cfg.agent == "math" else f"{cfg.agent}:{split}"
 
 
-def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console) -> dict:
+def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console, ood: bool = False) -> dict:
+    """Evaluate policy ``spec`` in ``mode`` on the held-out tasks (``ood``: the
+    out-of-distribution set ``cfg.ood_task_set``, ``cfg.ood_tasks`` of them)."""
     from spanrl.infra.evaluation import EvalConfig, evaluate
 
     if mode not in HELDOUT_MODES:
         raise ValueError(f"unknown held-out mode {mode!r}; known: {', '.join(HELDOUT_MODES)}")
     from examples.agents import agent_spec
 
-    ecfg = EvalConfig(policies=[spec], agent=agent_spec(cfg.agent).RUNNER, task_set=_task_set(cfg, "heldout"),
-                      seed=cfg.heldout_seed, tasks=cfg.heldout_tasks,
+    ecfg = EvalConfig(policies=[spec], agent=agent_spec(cfg.agent).RUNNER,
+                      task_set=cfg.ood_task_set if ood else _task_set(cfg, "heldout"),
+                      seed=cfg.heldout_seed, tasks=cfg.ood_tasks if ood else cfg.heldout_tasks,
                       samples=1, temperature=HELDOUT_MODES[mode], concurrency=cfg.concurrency,
-                      out_dir=cfg.out_dir, name=f"heldout-{mode}")
+                      out_dir=cfg.out_dir, name=f"{'ood' if ood else 'heldout'}-{mode}")
     return evaluate(ecfg, settings=s, console=console, write=False)
+
+
+def per_kind(report: dict, kinds: dict[str, str]) -> dict[str, dict]:
+    """Correct rate per task kind and policy of an evaluation report: ``{kind: {policy:
+    {"episodes", "correct"}}}``, ``kinds`` mapping task id -> kind (tasks' ``metadata.kind``;
+    tasks without one count as ``"all"``). Example: two ``add`` episodes of base, one correct:
+    ``{"add": {"base": {"episodes": 2, "correct": 0.5}}}``."""
+    out: dict[str, dict] = {}
+    for policy, rep in report["policies"].items():
+        counts: dict[str, list[int]] = {}
+        for e in rep["per_episode"]:
+            c = counts.setdefault(kinds.get(e["task_id"], "all"), [0, 0])
+            c[0] += 1
+            c[1] += 1 if e["components"].get("correct", 0) > 0 else 0
+        for kind, (n, k) in sorted(counts.items()):
+            out.setdefault(kind, {})[policy] = {"episodes": n, "correct": k / n}
+    return out
 
 
 def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: Console | None = None) -> dict:
@@ -364,8 +401,12 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     if modes and _served_version(s) != 0:
         console.print("[yellow]the stack serves a trained version: the base evaluation pins the base "
                       "model (version 0) for its duration[/yellow]")
+    ood = cfg.agent == "math" and cfg.ood_tasks > 0 and bool(modes)
+    base_ood = {}
     for mode in modes:
         base_reports[mode] = _heldout_eval(cfg, s, "base", mode, console)
+        if ood:
+            base_ood[mode] = _heldout_eval(cfg, s, "base", mode, console, ood=True)
     t_train = time.monotonic()
     staleness_before = _trainer_status(s).get("staleness")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -413,10 +454,16 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     final_spec = f"{s.run}:{final_version}" if final_version > 0 else "base"
     if modes and final_spec == "base":
         console.print("[yellow]no checkpoint was served: the final policy is the base model[/yellow]")
+    ood_reports: dict[str, dict] = {}
     for mode in modes:
         heldout[mode] = base_reports[mode] if final_spec == "base" else \
             merge_reports(base_reports[mode], _heldout_eval(cfg, s, final_spec, mode, console))
         write_report(heldout[mode], out, f"heldout-{mode}", s)
+        if mode in base_ood:
+            ood_reports[mode] = base_ood[mode] if final_spec == "base" else \
+                merge_reports(base_ood[mode], _heldout_eval(cfg, s, final_spec, mode, console, ood=True))
+            write_report(ood_reports[mode], out, f"ood-{mode}", s)
+    kinds = {t["task_id"]: t.get("metadata", {}).get("kind", "all") for t in heldout_set} if modes else {}
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
         for name, c in r.agents.items():
@@ -429,22 +476,48 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "train_agents": sorted({sel for r in results for sel in r.selection}),
         "agents": dict(sorted(agents_total.items())),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "seed": s.seed,
         "trainer_env": {k: os.environ.get(k, v) for k, v in DEMO_TRAINER_ENV.items()},
+        "trainer_settings": {k: v for k, v in os.environ.items() if k.startswith("SPANRL_TRAINER_")},
+        "trainer_updates": _trainer_updates(s),
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
         "final_served_version": final_version,
         "staleness": staleness,
         "logprob_shift_of_iteration0_completions": shift,
         "heldout": {mode: _heldout_summary(r) for mode, r in heldout.items()},
+        "heldout_per_kind": {mode: per_kind(r, kinds) for mode, r in heldout.items()},
+        "ood": {mode: _heldout_summary(r) for mode, r in ood_reports.items()},
         "training_wall_s": round(train_s, 1),
         "wall_s": round(time.monotonic() - t_start, 1),
         "paths": {"summary": str(out / "summary.json"), "reward_curve": str(out / "reward_curve.png"),
                   **{f"heldout_{m}": str(out / f"heldout-{m}.json") for m in heldout},
-                  **{f"heldout_{m}_png": str(out / f"heldout-{m}.png") for m in heldout}},
+                  **{f"heldout_{m}_png": str(out / f"heldout-{m}.png") for m in heldout},
+                  **{f"ood_{m}": str(out / f"ood-{m}.json") for m in ood_reports}},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(results, summary["heldout"], out / "reward_curve.png")
     return summary
+
+
+def _trainer_updates(s: Settings) -> list[dict]:
+    """The update events of the stack's trainer for this run (its JSON-lines log), the
+    numbers per update: samples, dropped zero-variance samples, steps, KL to the behaviour
+    and the reference policy, advantages, loss."""
+    path = s.state_dir / f"trainer-{s.run}.jsonl"
+    keys = ("update", "version", "samples_received", "samples", "dropped_zero_variance", "steps", "mini_batches",
+            "loss", "approx_kl", "ref_kl", "clip_frac", "grad_norm", "mean_return", "mean_advantage",
+            "weighted_advantage", "advantage_std", "completion_tokens", "update_s")
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") == "update":
+                out.append({k: e[k] for k in keys if k in e})
+    return out
 
 
 def _heldout_summary(report: dict) -> dict:

@@ -699,3 +699,49 @@ async def test_stale_samples_are_refused_dead_lettered_and_counted(tmp_path, lig
         for r in (base, run):
             _remove_run(minio, s.checkpoint_bucket, r)
             shutil.rmtree(s.cache_dir / "trainer" / r, ignore_errors=True)
+
+
+# ---- barrier batching (Kafka + MinIO, the tiny model) --------------------------------------
+
+async def test_barrier_trainer_trains_exactly_the_requested_samples(tmp_path, light_stack, scratch_run,
+                                                                    tiny_model_dir):
+    """SPANRL_TRAINER_BATCHING=barrier: 6 samples buffered and nothing trained (min_batch 2,
+    idle flush 0.2 s would have); asked to train up to offset 4: one update of exactly those 4
+    (2 mini-batch steps), one checkpoint whose manifest consumed [0, 4); then up to 6: the rest.
+    A stream trainer answers the request 409, a malformed one is 400."""
+    s = get_settings()
+    tag = uuid.uuid4().hex[:8]
+    run, samples_topic, ckpt_topic = scratch_run(f"trbar-{tag}"), f"trbar-samples-{tag}", f"trbar-checkpoints-{tag}"
+    admin = await _topics(samples_topic, ckpt_topic)
+    try:
+        await _produce(samples_topic, 0, 6)
+        log = tmp_path / "trainer.jsonl"
+        cfg = TrainerConfig(run=run, base_dir=tiny_model_dir, samples_topic=samples_topic,
+                            checkpoints_topic=ckpt_topic, min_batch=2, idle_flush_s=0.2, micro_batch=2,
+                            batching="barrier", mini_batches=2, http=False, start="earliest", log_path=log)
+        tr = Trainer(cfg)
+        assert (await Trainer(cfg.model_copy(update={"batching": "stream"})).request_train(
+            {"until": {f"{samples_topic}:0": 4}}))[0] == 409
+        assert (await tr.request_train({"until": {"other:0": 4}}))[0] == 400
+        assert (await tr.request_train({"until": {f"{samples_topic}:0": -1}}))[0] == 400
+        task = asyncio.create_task(tr.serve())
+        await _wait_for("the trainer to buffer 6 samples", lambda: tr.state.buffered == 6, 180)
+        await asyncio.sleep(1.5)  # several idle flushes' worth: a stream trainer would have trained
+        assert tr.state.updates == 0 and not _events(log, "update")
+        code, answer = await tr.request_train({"until": {f"{samples_topic}:0": 4}})
+        assert (code, answer) == (202, {"until": {f"{samples_topic}:0": 4}})
+        await _wait_for("the first update", lambda: tr.state.version == 1, 180)
+        upd = _events(log, "update")
+        assert [(u["samples"], u["steps"], u["mini_batches"], u["consumed"]) for u in upd] == [
+            (4, 2, 2, {f"{samples_topic}:0": [0, 4]})]
+        assert tr.state.trained_offsets == {f"{samples_topic}:0": 4} and tr.state.train_until == {}
+        await tr.request_train({"until": {f"{samples_topic}:0": 6}})
+        await _wait_for("the second update", lambda: tr.state.version == 2, 180)
+        tr.stop()
+        await asyncio.wait_for(task, 60)
+        assert [(u["samples"], u["consumed"]) for u in _events(log, "update")] == [
+            (4, {f"{samples_topic}:0": [0, 4]}), (2, {f"{samples_topic}:0": [4, 6]})]
+        assert tr.state.step == 4  # 2 mini-batch steps per update
+    finally:
+        await admin.delete_topics([samples_topic, ckpt_topic])
+        await admin.close()

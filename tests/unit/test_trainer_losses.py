@@ -144,7 +144,7 @@ def test_sequence_loss_weights_hand_computed():
         w = losses.sequence_loss_weights(["x", "y", "y", "z"], [3, 5, 7, 1], agg)
         assert sum(wi * n for wi, n in zip(w, [3, 5, 7, 1])) == pytest.approx(1.0)
     with pytest.raises(ValueError):
-        losses.sequence_loss_weights(["a"], [1], "sequence_mean")
+        losses.sequence_loss_weights(["a"], [1], "sample_mean")
     with pytest.raises(ValueError):
         losses.sequence_loss_weights(["a", "b"], [1], "token_mean")
 

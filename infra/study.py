@@ -1,0 +1,214 @@
+"""``spanrl study``: the main job once per seed, and one report across the seeds.
+
+One run per setting proves nothing when run-to-run variance is as large as the effect, so a
+study runs the main job (examples/math_agent/main_job.py) with the same settings and tasks
+for each run seed (``SPANRL_SEED``: every rollout's sampling seed and the trainer's torch
+seed; producers/seeding.py), each on a fresh stack run, and reports per seed and pooled:
+
+- held-out correct rate, base and final, and the paired difference final - base with its
+  95% interval, greedy and sampled (``heldout-<mode>.json`` of each seed);
+- pooled over seeds: the Student-t interval of the per-seed differences (run-to-run spread,
+  :func:`spanrl.infra.intervals.t_interval`) and the paired bootstrap of the per-task
+  differences averaged over seeds (:func:`spanrl.infra.intervals.pooled_paired_difference`);
+- correct rate per task kind, calculator use, LLM calls per episode, the log-prob shift of
+  iteration 0's completions, the out-of-distribution (``gsm_symbolic``) paired differences;
+- every seed's training curve in one PNG; the settings.
+
+:func:`study_report` is pure (summaries and episode lists in, report out); :func:`run_study`
+is the plumbing (stack up, main job, stack down, per seed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from spanrl.infra.intervals import pooled_paired_difference, t_interval
+
+MODES = ("greedy", "sampled")
+
+
+def _correct(report: dict, policy: str) -> dict[str, float]:
+    """task id -> 1.0 if the policy's episode of it was correct (one episode per task)."""
+    return {e["task_id"]: 1.0 if e["components"].get("correct", 0) > 0 else 0.0
+            for e in report["policies"][policy]["per_episode"]}
+
+
+def _final_name(report: dict) -> str | None:
+    names = [p for p in report["policies"] if p != "base"]
+    return names[-1] if names else None
+
+
+def paired_block(reports: list[dict]) -> dict:
+    """Per-seed and pooled paired differences (final - base) of the correct rate for one
+    evaluation (``reports[s]``: seed s's evaluation report with policies ``base`` and its
+    final checkpoint, the same tasks in every seed). A seed whose final policy is the base
+    (nothing was served) counts as a difference of 0 on every task."""
+    per_seed, a, b = [], [], []
+    tasks = None
+    for rep in reports:
+        base = _correct(rep, "base")
+        final_name = _final_name(rep)
+        final = _correct(rep, final_name) if final_name else base
+        ids = sorted(base)
+        if tasks is None:
+            tasks = ids
+        if ids != tasks or sorted(final) != tasks:
+            raise ValueError("the seeds' evaluations are not on the same tasks")
+        pair = rep["paired"].get(f"{final_name} - base", {}).get("success_rate") if final_name else None
+        per_seed.append({"base": sum(base.values()) / len(ids), "final": sum(final.values()) / len(ids),
+                         "difference": pair or {"estimate": 0.0, "low": 0.0, "high": 0.0, "n": len(ids)},
+                         "tasks": len(ids)})
+        a.append([base[t] for t in tasks])
+        b.append([final[t] for t in tasks])
+    diffs = [p["difference"]["estimate"] for p in per_seed]
+    return {"per_seed": per_seed,
+            "pooled_across_seeds": t_interval(diffs).as_dict(),
+            "pooled_paired_bootstrap": pooled_paired_difference(a, b).as_dict(),
+            "every_seed_above_zero": all(p["difference"]["low"] > 0 for p in per_seed),
+            "no_seed_below_base": all(p["difference"]["estimate"] >= 0 for p in per_seed)}
+
+
+def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str, dict]],
+                 ood: list[dict[str, dict]]) -> dict:
+    """The study's report from each seed's main-job ``summary.json`` (``summaries[s]``), its
+    held-out evaluation reports by mode (``heldout[s][mode]``) and its out-of-distribution
+    ones (``ood[s][mode]``, may be empty). Raises ValueError when the seeds' evaluations are
+    not on the same tasks."""
+    modes = [m for m in MODES if all(m in h for h in heldout)]
+    out = {
+        "seeds": seeds,
+        "settings": {"config": summaries[0].get("config"), "trainer_env": summaries[0].get("trainer_env"),
+                     "trainer_settings": summaries[0].get("trainer_settings")},
+        "heldout": {m: paired_block([h[m] for h in heldout]) for m in modes},
+        "ood": {m: paired_block([o[m] for o in ood]) for m in modes if ood and all(m in o for o in ood)},
+        "per_seed": [],
+    }
+    for seed, summ, h in zip(seeds, summaries, heldout):
+        out["per_seed"].append({
+            "seed": seed, "run": summ.get("run"), "wall_s": summ.get("wall_s"),
+            "logprob_shift_of_iteration0_completions": {
+                k: v.get("delta") for k, v in (summ.get("logprob_shift_of_iteration0_completions") or {}).items()},
+            "heldout_per_kind": summ.get("heldout_per_kind"),
+            "tool_use_and_calls": {m: {p: {"tool_use_rate": r.get("tool_use_rate"),
+                                           "mean_llm_calls": r.get("mean_llm_calls")}
+                                       for p, r in summ["heldout"][m]["policies"].items()}
+                                   for m in summ.get("heldout", {})},
+            "iterations": [{k: it.get(k) for k in ("iteration", "correct_rate", "format_rate", "tool_use_rate",
+                                                   "mean_reward", "zero_variance_groups", "groups",
+                                                   "policy_versions_served", "wall_s")}
+                           for it in summ.get("iterations", [])],
+            "trainer_updates": summ.get("trainer_updates", []),
+        })
+    shifts = [p["logprob_shift_of_iteration0_completions"] for p in out["per_seed"]]
+    out["logprob_shift_every_seed"] = {
+        "positive_up": all((s.get("positive") or 0) > 0 for s in shifts),
+        "negative_down": all((s.get("negative") or 0) < 0 for s in shifts)}
+    h = out["heldout"]
+    out["target_met"] = bool(h) and all(h[m]["every_seed_above_zero"] and h[m]["no_seed_below_base"]
+                                        for m in ("greedy", "sampled") if m in h) and len(h) == 2
+    return out
+
+
+def plot_study(report: dict, path: Path) -> None:
+    """Left: every seed's training correct rate per iteration. Right: held-out paired
+    difference (final - base) of the correct rate per seed and pooled, greedy and sampled
+    (and out of distribution), with 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    for j, p in enumerate(report["per_seed"]):
+        xs = [it["iteration"] for it in p["iterations"]]
+        ax.plot(xs, [it["correct_rate"] for it in p["iterations"]], marker="o", color=f"C{j}",
+                label=f"seed {p['seed']}: correct")
+        ax.plot(xs, [it["mean_reward"] for it in p["iterations"]], linestyle=":", color=f"C{j}")
+    ax.set_xlabel("iteration (training rollouts, agent's sampling)")
+    ax.set_ylabel("correct rate (dotted: mean reward)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("training curves, every seed", fontsize=10)
+    blocks = [(f"held-out {m}", report["heldout"][m]) for m in report["heldout"]] + \
+             [(f"OOD {m}", report["ood"][m]) for m in report.get("ood", {})]
+    labels = []
+    for i, (name, blk) in enumerate(blocks):
+        n = len(blk["per_seed"])
+        for j, p in enumerate(blk["per_seed"]):
+            d = p["difference"]
+            x = i + (j - n / 2) * 0.15
+            bx.errorbar(x, d["estimate"], yerr=[[d["estimate"] - d["low"]], [d["high"] - d["estimate"]]],
+                        fmt="o", color=f"C{j}", capsize=3, label=f"seed {report['seeds'][j]}" if i == 0 else None)
+        pooled = blk["pooled_across_seeds"]
+        x = i + (n / 2) * 0.15
+        bx.errorbar(x, pooled["estimate"], yerr=[[pooled["estimate"] - pooled["low"]],
+                                                 [pooled["high"] - pooled["estimate"]]],
+                    fmt="s", color="k", capsize=4, label="pooled (t across seeds)" if i == 0 else None)
+        labels.append(name)
+    bx.axhline(0, color="grey", linewidth=1)
+    bx.set_xticks(range(len(labels)), labels, fontsize=8)
+    bx.set_ylabel("correct rate, final - base (95% CI)")
+    bx.grid(axis="y", alpha=0.3)
+    bx.legend(fontsize=7)
+    bx.set_title("held out and out of distribution, paired", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_seed_dir(d: Path) -> tuple[dict, dict, dict]:
+    """(summary, held-out reports by mode, OOD reports by mode) of one seed's output folder."""
+    summary = json.loads((d / "summary.json").read_text())
+    heldout = {m: json.loads((d / f"heldout-{m}.json").read_text()) for m in MODES
+               if (d / f"heldout-{m}.json").exists()}
+    ood = {m: json.loads((d / f"ood-{m}.json").read_text()) for m in MODES if (d / f"ood-{m}.json").exists()}
+    return summary, heldout, ood
+
+
+def write_study(seeds: list[int], dirs: list[Path], out: Path) -> dict:
+    """Read each seed's folder, write ``out/study.json`` and ``out/study.png``; the report."""
+    loaded = [load_seed_dir(d) for d in dirs]
+    report = study_report(seeds, [x[0] for x in loaded], [x[1] for x in loaded], [x[2] for x in loaded])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps(report, indent=2))
+    plot_study(report, out / "study.png")
+    return report
+
+
+def run_study(seeds: list[int], out: Path, size: dict, console) -> dict:
+    """Run the main job once per seed on a fresh stack run (``study-<time>-s<seed>``), each
+    into ``out/seed-<seed>/``, then :func:`write_study`. The stack must be down (its trainer
+    reads the seed and run at start-up); raises RuntimeError if it is up."""
+    from examples.agents import agent_spec
+    from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
+    from spanrl.infra.settings import get_settings
+    from spanrl.infra.stack import Stack
+
+    if Stack().running("trainer"):
+        raise RuntimeError("the stack is up: a study starts its own stack per seed (stop it with `make down`)")
+    spec = agent_spec(size.get("agent", "math"))
+    for k, v in DEMO_TRAINER_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dirs = []
+    for seed in seeds:
+        os.environ["SPANRL_SEED"] = str(seed)
+        os.environ["SPANRL_RUN"] = f"study-{stamp}-s{seed}"
+        get_settings.cache_clear()
+        stack = Stack(get_settings())
+        console.rule(f"seed {seed} (run {os.environ['SPANRL_RUN']})")
+        stack.up()
+        d = out / f"seed-{seed}"
+        try:
+            run_main_job(MainJobConfig(agent=size.get("agent", "math"), iterations=size["iterations"],
+                                       tasks_per_iteration=size["tasks"], group_size=size["group_size"],
+                                       heldout_tasks=size["heldout_tasks"], out_dir=d), console=console)
+        finally:
+            stack.down()
+        dirs.append(d)
+        write_study(seeds[:len(dirs)], dirs, out)  # a partial report after every seed
+    return write_study(seeds, dirs, out)

@@ -1,0 +1,174 @@
+"""The learning options of issue 18 on hand-computed values: Dr. GRPO advantages, the
+zero-variance filter, sequence-mean aggregation, deterministic mini-batches, the reference
+KL, and their use inside ``train_update`` with the trainer's own DeepSpeed engine on a tiny
+random Qwen2 (no stack)."""
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+import deepspeed  # noqa: F401  (installed by infra/bootstrap.sh)
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from spanrl.trainer import losses
+from spanrl.trainer.train import build_engine, load_reference_model, sample_advantages, sample_key, train_update
+
+
+# ---- pure functions ----------------------------------------------------------------------
+
+def test_dr_grpo_advantages_hand_computed():
+    # a format-only group: five answers formatted (0.1), one not (0): mean 0.5/6
+    mean = 0.5 / 6
+    got = losses.dr_grpo_advantages([0.1] * 5 + [0.0], [mean] * 6)
+    assert got == pytest.approx([0.1 - mean] * 5 + [-mean])
+    assert got[0] == pytest.approx(0.016667, abs=1e-6) and got[-1] == pytest.approx(-0.083333, abs=1e-6)
+    # GRPO's std scaling turns the same group into +0.447 / -2.236
+    std = math.sqrt((5 * (0.1 - mean) ** 2 + mean ** 2) / 6)
+    assert (0.1 - mean) / std == pytest.approx(0.4472, abs=1e-4) and -mean / std == pytest.approx(-2.2361, abs=1e-4)
+    assert losses.dr_grpo_advantages([1.0, 0.0], [0.5, 0.5]) == [0.5, -0.5]
+    with pytest.raises(ValueError):
+        losses.dr_grpo_advantages([1.0], [0.5, 0.5])
+
+
+def test_zero_variance_samples():
+    assert losses.zero_variance_samples([0.0, 0.5, 0.0], [6, 6, 1]) == [True, False, False]
+    assert losses.zero_variance_samples([], []) == []
+    with pytest.raises(ValueError):
+        losses.zero_variance_samples([0.0], [])
+
+
+def test_sequence_mean_weights():
+    assert losses.sequence_loss_weights(["a", "a", "b"], [2, 2, 4], "sequence_mean") == [1 / 6, 1 / 6, 1 / 12]
+
+
+def test_mini_batch_indices_are_sorted_and_balanced():
+    assert losses.mini_batch_indices(["c", "a", "b", "d", "e"], 2) == [[1, 2, 0], [3, 4]]
+    assert losses.mini_batch_indices(["b", "a"], 5) == [[1], [0]]  # capped at the sample count
+    assert losses.mini_batch_indices([], 3) == []
+    assert losses.mini_batch_indices(list("zyxwvu"), 3) == [[5, 4], [3, 2], [1, 0]]
+    with pytest.raises(ValueError):
+        losses.mini_batch_indices(["a"], 0)
+
+
+def test_reference_kl_hand_computed():
+    logp = torch.full((1, 3), math.log(0.5))
+    ref = torch.full((1, 3), math.log(0.25))
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    assert float(losses.reference_kl(logp, ref, mask)) == pytest.approx(0.5 - math.log(0.5) - 1.0, abs=1e-6)
+    assert float(losses.reference_kl(logp, logp, mask)) == 0.0
+
+
+def test_ppo_clip_loss_adds_the_kl_term():
+    # ratio 1 (logp = behaviour), advantage 1: PPO term -1 per token; k3 to ref adds 0.1931 * coef
+    logp = torch.full((1, 2), math.log(0.5))
+    ref = torch.full((1, 2), math.log(0.25))
+    mask, adv = torch.ones(1, 2), torch.ones(1, 2)
+    plain = losses.ppo_clip_loss(logp, logp, adv, mask)
+    with_kl = losses.ppo_clip_loss(logp, logp, adv, mask, kl_coef=0.5, ref_logp=ref)
+    assert float(plain) == pytest.approx(-1.0)
+    assert float(with_kl) == pytest.approx(-1.0 + 0.5 * (0.5 - math.log(0.5) - 1.0), abs=1e-6)
+
+
+def _sample(task: str, ret: float, mean: float, std: float, adv: float, comp: list[int], n: int = 4) -> dict:
+    return {"advantage": adv, "group_id": task, "group_rollouts": n, "group_mean": mean, "group_std": std,
+            "transition": {"task_id": task, "rollout_id": f"{task}-{ret}-{comp}", "attempt_id": "0",
+                           "prompt_token_ids": [1, 5, 9], "completion_token_ids": comp,
+                           "behaviour_logprobs": [-1.0] * len(comp), "episode_return": ret, "reward": ret,
+                           "policy_version": 0}}
+
+
+def test_sample_advantages_dr_grpo_uses_the_group_mean():
+    batch = [_sample("t", 1.0, 0.25, 0.433, 1.732, [3]), _sample("t", 0.0, 0.25, 0.433, -0.577, [4])]
+    assert sample_advantages(batch) == pytest.approx([1.732, -0.577])
+    assert sample_advantages(batch, advantage_std_scale=False) == pytest.approx([0.75, -0.25])
+
+
+def test_sample_key_orders_by_content_not_by_rollout_id():
+    a = _sample("t1", 1.0, 0.5, 0.5, 1.0, [3, 4])
+    b = copy.deepcopy(a)
+    b["transition"]["rollout_id"] = "another-random-id"
+    assert sample_key(a) == sample_key(b)
+    c = _sample("t1", 1.0, 0.5, 0.5, 1.0, [3, 5])
+    assert sample_key(a) != sample_key(c)
+    assert sample_key(_sample("t0", 0.0, 0.5, 0.5, -1.0, [9]))[0] < sample_key(a)[0]
+
+
+# ---- inside train_update -----------------------------------------------------------------
+
+VOCAB = 48
+
+
+def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                      tie_word_embeddings=False, use_cache=False)
+    return Qwen2ForCausalLM(cfg)
+
+
+def _batch() -> list[dict]:
+    rng = random.Random(0)
+    out = []
+    for g in range(4):
+        rets = [1.0, 0.0, 0.0, 1.0] if g < 2 else [0.1] * 4  # groups 2, 3: zero variance
+        mean = sum(rets) / 4
+        std = math.sqrt(sum((r - mean) ** 2 for r in rets) / 4)
+        for r in rets:
+            comp = [rng.randrange(8, VOCAB) for _ in range(3)]
+            out.append(_sample(f"task-{g}", r, mean, std, 0.0 if std == 0 else (r - mean) / std, comp))
+    return out
+
+
+def _params(engine) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+
+
+def test_zero_variance_groups_are_dropped_and_counted():
+    samples = _batch()
+    engine = build_engine(tiny_model(), lr=1e-3, micro_batch=4)
+    m = train_update(engine, samples, drop_zero_variance=True)
+    assert (m["samples_received"], m["dropped_zero_variance"], m["samples"], m["steps"]) == (16, 8, 8, 1)
+    before = _params(engine)
+    only_flat = [s for s in samples if s["group_std"] == 0]
+    m = train_update(engine, only_flat, drop_zero_variance=True)
+    assert (m["dropped_zero_variance"], m["samples"], m["steps"]) == (8, 0, 0)
+    assert torch.equal(before, _params(engine))  # nothing left: no step was taken
+
+
+def test_arrival_order_does_not_change_the_update():
+    samples = _batch()
+    shuffled = samples[:]
+    random.Random(3).shuffle(shuffled)
+    e1 = build_engine(tiny_model(), lr=1e-2, micro_batch=3)
+    e2 = build_engine(tiny_model(), lr=1e-2, micro_batch=3)
+    m1 = train_update(e1, samples, mini_batches=2)
+    m2 = train_update(e2, shuffled, mini_batches=2)
+    assert (m1["steps"], m1["mini_batches"]) == (2, 2)
+    assert torch.equal(_params(e1), _params(e2))
+    assert m1["loss"] == m2["loss"]
+
+
+def test_kl_to_the_reference_policy_is_computed_and_holds_the_policy_back(tmp_path):
+    """ref_kl is 0 while the policy equals the reference and grows as it moves; with a large
+    kl_coef it grows less than without."""
+    tiny_model().save_pretrained(str(tmp_path), safe_serialization=True)
+    ref = load_reference_model(tmp_path)
+    assert not any(p.requires_grad for p in ref.parameters())
+    samples = [s for s in _batch() if s["group_std"] > 0]
+    kls = {}
+    for coef in (0.0, 5.0):
+        engine = build_engine(tiny_model(), lr=3e-2, micro_batch=8)
+        first = train_update(engine, samples, kl_coef=coef, ref_model=ref) if coef else None
+        for _ in range(4):
+            m = train_update(engine, samples, kl_coef=coef, ref_model=ref)
+        kls[coef] = m["ref_kl"]
+        if first is not None:
+            assert first["ref_kl"] == pytest.approx(0.0, abs=1e-7)  # step 1 starts at the reference
+    assert kls[0.0] > 0.0
+    assert kls[5.0] < kls[0.0]
+    no_ref = train_update(build_engine(tiny_model(), lr=1e-3), samples, kl_coef=0.1)
+    assert "ref_kl" not in no_ref  # no reference model: nothing is computed or claimed

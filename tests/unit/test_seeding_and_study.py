@@ -1,0 +1,120 @@
+"""Run seeds (producers/seeding.py, the request hook, the proxy's use of the header), the
+study's intervals and report (infra/intervals.py, infra/study.py) and the main job's per-kind
+breakdown, on hand-computed values."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from spanrl.infra import study
+from spanrl.infra.intervals import pooled_paired_difference, t_interval
+from spanrl.producers import instrument, seeding
+
+
+def test_derived_seeds_are_stable_distinct_and_in_range():
+    a = seeding.rollout_seed(0, "arith_word-0-3", 2, "0")
+    assert a == seeding.rollout_seed(0, "arith_word-0-3", 2, "0")
+    others = {seeding.rollout_seed(1, "arith_word-0-3", 2, "0"), seeding.rollout_seed(0, "arith_word-0-4", 2, "0"),
+              seeding.rollout_seed(0, "arith_word-0-3", 3, "0"), seeding.rollout_seed(0, "arith_word-0-3", 2, "1")}
+    assert a not in others and len(others) == 4
+    calls = [seeding.call_seed(a, k) for k in range(50)]
+    assert len(set(calls)) == 50 and all(0 <= c < seeding.SEED_LIMIT for c in calls)
+    # pinned: a change of the derivation changes every run's samples, so it must be deliberate
+    assert seeding.derive_seed("x") == int.from_bytes(
+        bytes.fromhex("2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881")[:8], "big") % (2**31 - 1)
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1.5", "abc", str(2**31 - 1), "9" * 40])
+def test_parse_seed_refuses_what_is_not_a_seed(text):
+    with pytest.raises(ValueError):
+        seeding.parse_seed(text)
+
+
+def test_parse_seed():
+    assert seeding.parse_seed(" 42 ") == 42 and seeding.parse_seed("0") == 0
+
+
+def test_requests_inside_a_seeded_attempt_carry_each_calls_seed():
+    """The patched httpx send adds the call's seed (call 0, 1, ... of the attempt) to POSTs
+    made inside a rollout context with a sampling seed, and none outside or without one."""
+    instrument.propagate_trace_context()
+    seen = []
+    client = httpx.Client(transport=httpx.MockTransport(
+        lambda req: seen.append(req.headers.get(seeding.SEED_HEADER)) or httpx.Response(200, json={})))
+    with instrument.rollout_context("r1", "0", sampling_seed=1234):
+        client.post("http://proxy/v1/chat/completions", json={})
+        client.post("http://proxy/v1/chat/completions", json={})
+        client.get("http://proxy/v1/models")
+        client.post("http://proxy/v1/chat/completions", json={}, headers={seeding.SEED_HEADER: "7"})
+    with instrument.rollout_context("r2", "0"):
+        client.post("http://proxy/v1/chat/completions", json={})
+    client.post("http://proxy/v1/chat/completions", json={})
+    assert seen == [str(seeding.call_seed(1234, 0)), str(seeding.call_seed(1234, 1)), None, "7", None, None]
+
+
+def test_proxy_refuses_a_bad_seed_header_before_vllm():
+    from fastapi.testclient import TestClient
+
+    from spanrl.producers.kafka import Sink, Topics
+    from spanrl.producers.proxy import create_app
+
+    app = create_app(Sink("127.0.0.1:1", Topics(), send_timeout_s=1.0), "http://127.0.0.1:1", "policy")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+    with TestClient(app) as client:
+        r = client.post("/rollouts/r/attempts/0/v1/chat/completions", json=body,
+                        headers={seeding.SEED_HEADER: "not-a-number"})
+    assert (r.status_code, r.json()["error"]["type"]) == (400, "invalid_seed")
+
+
+def test_t_interval_and_pooled_difference_hand_computed():
+    iv = t_interval([0.1, 0.2, 0.3])
+    assert (iv.estimate, iv.low, iv.high) == pytest.approx((0.2, 0.2 - 4.303 * 0.1 / 3 ** 0.5,
+                                                             0.2 + 4.303 * 0.1 / 3 ** 0.5))
+    assert t_interval([0.5]).low == 0.5 and t_interval([0.5]).method == "single-value"
+    with pytest.raises(ValueError):
+        t_interval([])
+    p = pooled_paired_difference([[0, 0], [0, 1]], [[1, 0], [1, 1]])
+    assert p.estimate == 0.5 and p.n == 2
+    with pytest.raises(ValueError):
+        pooled_paired_difference([[0, 0]], [[1]])
+
+
+def _report(base: list[int], final: list[int], low: float) -> dict:
+    def pol(xs):
+        return {"per_episode": [{"task_id": f"t{i}", "components": {"correct": x}} for i, x in enumerate(xs)],
+                "tool_use_rate": None, "mean_llm_calls": None}
+    d = (sum(final) - sum(base)) / len(base)
+    return {"policies": {"base": pol(base), "run:4": pol(final)},
+            "paired": {"run:4 - base": {"success_rate": {"estimate": d, "low": low, "high": d + 0.1}}}}
+
+
+def test_study_report_per_seed_and_pooled():
+    heldout = [{"greedy": _report([0, 0, 1, 1], [1, 0, 1, 1], 0.01), "sampled": _report([0, 0, 0, 1], [1, 1, 0, 1], 0.1)},
+               {"greedy": _report([0, 0, 1, 1], [1, 1, 1, 1], 0.2), "sampled": _report([0, 0, 0, 1], [0, 1, 0, 1], 0.02)}]
+    summaries = [{"run": f"s{k}", "config": {"iterations": 4}, "trainer_env": {}, "heldout": {},
+                  "logprob_shift_of_iteration0_completions": {"positive": {"delta": 0.1}, "negative": {"delta": -0.2}},
+                  "iterations": [{"iteration": 0, "correct_rate": 0.1, "mean_reward": 0.2}]} for k in range(2)]
+    r = study.study_report([0, 1], summaries, heldout, [])
+    g = r["heldout"]["greedy"]
+    assert [p["difference"]["estimate"] for p in g["per_seed"]] == [0.25, 0.5]
+    assert [(p["base"], p["final"]) for p in g["per_seed"]] == [(0.5, 0.75), (0.5, 1.0)]
+    assert g["pooled_across_seeds"]["estimate"] == pytest.approx(0.375)
+    # per task, averaged over the 2 seeds: t0 +1, t1 +0.5, t2 0, t3 0
+    assert g["pooled_paired_bootstrap"]["estimate"] == pytest.approx(0.375)
+    assert g["every_seed_above_zero"] and g["no_seed_below_base"]
+    assert r["target_met"] and r["logprob_shift_every_seed"] == {"positive_up": True, "negative_down": True}
+    heldout[1]["sampled"]["paired"]["run:4 - base"]["success_rate"]["low"] = -0.05
+    assert not study.study_report([0, 1], summaries, heldout, [])["target_met"]
+    heldout[1]["greedy"]["policies"]["base"]["per_episode"].pop()
+    with pytest.raises(ValueError):
+        study.study_report([0, 1], summaries, heldout, [])
+
+
+def test_per_kind_breakdown():
+    from examples.math_agent.main_job import per_kind
+
+    rep = {"policies": {"base": {"per_episode": [
+        {"task_id": "a", "components": {"correct": 1}}, {"task_id": "b", "components": {"correct": 0}},
+        {"task_id": "c", "components": {"correct": 1}}]}}}
+    assert per_kind(rep, {"a": "add", "b": "add", "c": "mul"}) == {
+        "add": {"base": {"episodes": 2, "correct": 0.5}}, "mul": {"base": {"episodes": 1, "correct": 1.0}}}
