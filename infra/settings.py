@@ -11,7 +11,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import SecretStr, model_validator
+from pydantic import SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -61,8 +61,9 @@ class Settings(BaseSettings):
     run: str = "default"
     #: the run seed: every rollout's sampling seed is derived from it, the task, the rollout's
     #: index in its group, the attempt and the call (producers/seeding.py), and sent to vLLM;
-    #: the trainer's torch seed defaults to it. None: unseeded sampling (vLLM's own randomness)
-    seed: int | None = None
+    #: the trainer's torch seed defaults to it. ``SPANRL_SEED=none`` (or empty): unseeded
+    #: sampling (vLLM's own randomness)
+    seed: int | None = 0
     #: vLLM's ``--tool-call-parser`` (with ``--enable-auto-tool-choice``), so requests with
     #: ``tools`` work; ``hermes`` reads ``<tool_call>{"name", "arguments"}</tool_call>``, the
     #: format :attr:`vllm_chat_template` asks for. Empty: no parser (``tools`` get 400 from vLLM)
@@ -87,6 +88,14 @@ class Settings(BaseSettings):
     #: where tracking logs go (``RUN/trainer``, ``RUN/main_job``, ``eval/NAME`` below it);
     #: default ``state_dir/tensorboard`` (``tensorboard --logdir .spanrl/tensorboard``)
     tracker_dir: Path | None = None
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_none(cls, value):
+        """``none`` / ``null`` / empty: no run seed."""
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        return value
 
     @model_validator(mode="after")
     def _read_auth_token(self) -> "Settings":

@@ -45,17 +45,21 @@ from spanrl.trainer import tracking
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
 #: at start-up, so they apply when the demo starts the stack; an environment value wins).
 #: Chosen in LEARNING.md: lr 1e-5 (the trainer's default) moves this 135M policy too little
-#: in a 30-minute run; lr 1e-4 with 5 s idle flushes learned once and collapsed once (Adam
-#: moves the weights by ~lr per step however few samples an update has, and tiny late
-#: updates of stale samples reached approx KL 0.35), so: half the lr, and updates wait
-#: 20 s for more samples before training on fewer than min_batch.
+#: in a 30-minute run; lr 1e-4 learned once and collapsed once; updates are cut per
+#: iteration (barrier), not by idle time, so a run seed repeats the run.
 DEMO_TRAINER_ENV = {
     "SPANRL_TRAINER_LR": "5e-5",
     "SPANRL_TRAINER_LOSS_AGG": "token_mean",
     # one update per iteration on exactly that iteration's samples (POST /admin/train), so a
-    # run's batches do not depend on timing and every call of an iteration is served by one version
+    # run's batches do not depend on timing and every call of an iteration is served by one
+    # version; two optimizer steps per update (mini-batches in content order)
     "SPANRL_TRAINER_BATCHING": "barrier",
     "SPANRL_TRAINER_MINI_BATCHES": "2",
+    # Dr. GRPO: R - group mean, no division by the group's std, so a format-only group
+    # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (LEARNING.md)
+    "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false",
+    # zero-variance groups give no gradient: left out before the update (counted per update)
+    "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true",
 }
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def main_job(stack, settings, tmp_path_factory):
     cfg = MainJobConfig(iterations=2, tasks_per_iteration=2, group_size=2, concurrency=4, heldout_tasks=4,
-                        stage_timeout_s=420, out_dir=tmp_path_factory.mktemp("results"))
+                        ood_tasks=3, stage_timeout_s=420, out_dir=tmp_path_factory.mktemp("results"))
     return run_main_job(cfg, settings)
 
 
@@ -45,6 +45,16 @@ def test_short_main_job(main_job, settings, tmp_path):
         assert held["paired"][f"{final} - base"]["tasks"] == 4
         assert Path(summary["paths"][f"heldout_{mode}"]).exists()
         assert Path(summary["paths"][f"heldout_{mode}_png"]).stat().st_size > 0
+    # out of distribution (gsm_symbolic, never trained on): base and final on the same 3 tasks;
+    # held out per task kind: the kinds' episodes add up to the 4 tasks
+    for mode in ("sampled", "greedy"):
+        ood = summary["ood"][mode]
+        assert ood["task_set"] == "gsm_symbolic" and list(ood["policies"]) == ["base", final]
+        assert ood["paired"][f"{final} - base"]["tasks"] == 3
+        kinds = summary["heldout_per_kind"][mode]
+        assert sum(k["base"]["episodes"] for k in kinds.values()) == 4
+        assert all(set(k) == {"base", final} for k in kinds.values())
+    assert summary["seed"] == settings.seed
     # every call is the AutoGen math_agent's, named by AutoGen's telemetry, and trained (no
     # selection in the stack the tests start): calls per agent add up to the transitions
     assert summary["agent"] == "math" and summary["train_agents"] == ["all"]

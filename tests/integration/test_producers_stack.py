@@ -499,3 +499,34 @@ def test_runner_sync_agent_otel_spans_and_commits(stack):
             ("otlp", "spanrl.reward", 1), ("otlp", "tool.lookup", 0), ("proxy", "chat.completions", 0)]
     rewards = read_topic(topics.rewards, lambda rs: sum(k in rids for k, _ in rs) >= 4, 10)
     assert sorted((r["name"], r["value"]) for k, r in rewards if k in rids) == [("reward", 0.3)] * 2 + [("tool_ok", 0.2)] * 2
+
+
+def test_run_seed_makes_sampling_repeatable(stack):
+    """Runner(seed=7) twice on the same task (group of 3, two calls per attempt, temperature
+    1, real vLLM through the proxy): every rollout index samples the same token ids in both
+    runs, and the indices differ from each other; another run seed samples differently."""
+    topics, proxy_url = stack["topics"], stack["proxy"]
+
+    async def agent(ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key="unused")
+        out = []
+        for q in ("Name an animal.", "Name a city."):
+            r = await client.chat.completions.create(model=S.model_name, max_tokens=16, temperature=1.0,
+                                                     messages=[{"role": "user", "content": q}],
+                                                     extra_body={"return_token_ids": True})
+            out.append(tuple(r.choices[0].model_extra["token_ids"]))
+        await client.close()
+        ctx.emit_reward(0.0)
+        return {"calls": out}
+
+    async def one_run(seed: int) -> list[tuple]:
+        runner = Runner(agent, concurrency=3, proxy_url=proxy_url, topics=topics, seed=seed)
+        groups = await asyncio.wait_for(runner.run_tasks([{"task_id": "seeded-task", "group_size": 3}]), 120)
+        for a in groups[0]:
+            assert a.status == "succeeded", a.error
+        return [tuple(a.result["calls"]) for a in groups[0]]
+
+    first, again, other = asyncio.run(one_run(7)), asyncio.run(one_run(7)), asyncio.run(one_run(8))
+    assert first == again  # gather keeps index order: attempt k is rollout index k
+    assert len(set(first)) == 3  # each index its own seed
+    assert other != first
