@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deepspeed  # noqa: E402,F401  (installed by infra/bootstrap.sh)
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from tiny_models import tiny_qwen2  # noqa: E402
 
 from spanrl.trainer import losses  # noqa: E402
 from spanrl.trainer.train import build_engine, train_update  # noqa: E402
@@ -20,12 +20,8 @@ VOCAB, TARGET, PROMPT_LEN, COMP_LEN = 64, 7, 4, 6
 GROUPS, GROUP_SIZE = 8, 4
 
 
-def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=False, use_cache=False)
-    return Qwen2ForCausalLM(cfg)
+def tiny_model(seed: int = 0):
+    return tiny_qwen2(VOCAB, 64, seed)
 
 
 @torch.no_grad()

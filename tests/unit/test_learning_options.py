@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import deepspeed  # noqa: F401  (installed by infra/bootstrap.sh)
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_qwen2
 
 from spanrl.trainer import losses
 from spanrl.trainer.train import build_engine, load_reference_model, sample_advantages, sample_key, train_update
@@ -102,12 +102,8 @@ def test_sample_key_orders_by_content_not_by_rollout_id():
 VOCAB = 48
 
 
-def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                      tie_word_embeddings=False, use_cache=False)
-    return Qwen2ForCausalLM(cfg)
+def tiny_model(seed: int = 0):
+    return tiny_qwen2(VOCAB, 32, seed)
 
 
 def _batch() -> list[dict]:
