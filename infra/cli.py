@@ -307,6 +307,8 @@ def study(
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
+    repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
+                                "version, held-out episodes)"),
 ) -> None:
     """The main job once per run seed (a fresh stack run each), and one report across seeds:
     per seed and pooled paired differences, greedy and sampled, per kind, out of distribution."""
@@ -322,7 +324,7 @@ def study(
                                                              "heldout_tasks": heldout_tasks}.items() if v is not None}}
     _check_free_space("demo")
     try:
-        report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console)
+        report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console, repeat)
     except (RuntimeError, StackError) as exc:
         console.print(f"[red]study failed[/red]: {exc}")
         raise typer.Exit(1)
@@ -331,6 +333,11 @@ def study(
         console.print(f"held-out {mode}: per seed " + ", ".join(
             f"{x['difference']['estimate']:+.3f} [{x['difference']['low']:+.3f}, {x['difference']['high']:+.3f}]"
             for x in blk["per_seed"]) + f"; pooled {p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]")
+    for seed, r in report.get("repeatability", {}).items():
+        console.print(f"seed {seed} twice: {'repeatable' if r['repeatable'] else 'NOT repeatable'}; identical "
+                      f"weights at versions {r['identical_versions']} of {r['versions_compared']}; "
+                      + ", ".join(f"{m}: same final reward on {x['same_final_reward']:.0%} of tasks"
+                                  for m, x in r["heldout"].items()))
     console.print(f"[bold]{'target met' if report['target_met'] else 'target not met'}[/bold]: "
                   f"{Path(out) / 'study.json'}, {Path(out) / 'study.png'}")
 

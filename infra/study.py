@@ -159,6 +159,50 @@ def plot_study(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def compare_repeat(summary_a: dict, summary_b: dict, heldout_a: dict[str, dict], heldout_b: dict[str, dict],
+                   weights_a: dict[int, str], weights_b: dict[int, str]) -> dict:
+    """Two runs of the same seed side by side: which checkpoint versions have the same weights
+    (``weights_x``: version -> sha256 of model.safetensors from the manifests), the first
+    version whose weights differ (None: none), the training iterations' rewards, and per
+    held-out mode the fraction of tasks whose final-policy episode got the same reward in
+    both runs and the two paired differences. Pure. Example: weights {1: "a", 2: "b"} vs
+    {1: "a", 2: "c"} -> identical_versions [1], first_differing_version 2."""
+    versions = sorted(set(weights_a) & set(weights_b))
+    same = [v for v in versions if weights_a[v] == weights_b[v]]
+    differing = [v for v in versions if weights_a[v] != weights_b[v]]
+    out = {"versions_compared": versions, "identical_versions": same,
+           "first_differing_version": differing[0] if differing else None,
+           "training_rewards": [[it.get("mean_reward") for it in s.get("iterations", [])]
+                                for s in (summary_a, summary_b)],
+           "heldout": {}}
+    for mode in sorted(set(heldout_a) & set(heldout_b)):
+        fa, fb = _final_name(heldout_a[mode]), _final_name(heldout_b[mode])
+        ra = {e["task_id"]: e["reward"] for e in heldout_a[mode]["policies"][fa or "base"]["per_episode"]}
+        rb = {e["task_id"]: e["reward"] for e in heldout_b[mode]["policies"][fb or "base"]["per_episode"]}
+        tasks = sorted(set(ra) & set(rb))
+        diff = [(h["paired"].get(f"{f} - base", {}).get("success_rate") or {}).get("estimate")
+                for h, f in ((heldout_a[mode], fa), (heldout_b[mode], fb))]
+        out["heldout"][mode] = {"tasks": len(tasks),
+                                "same_final_reward": sum(ra[t] == rb[t] for t in tasks) / len(tasks) if tasks else None,
+                                "paired_differences": diff}
+    out["repeatable"] = (not differing and bool(versions)
+                         and all(m["same_final_reward"] == 1.0 for m in out["heldout"].values()))
+    return out
+
+
+def _weights(summary: dict, settings) -> dict[int, str]:
+    """version -> sha256 of model.safetensors of the summary's run, from MinIO's manifests."""
+    from spanrl.trainer import checkpoint
+
+    client = checkpoint.make_client(settings)
+    out = {}
+    for v in range(1, int(summary.get("final_served_version") or 0) + 1):
+        m = checkpoint.read_manifest(client, settings.checkpoint_bucket, summary["run"], v)
+        if m is not None:
+            out[v] = m["files"].get("model.safetensors")
+    return out
+
+
 def load_seed_dir(d: Path) -> tuple[dict, dict, dict]:
     """(summary, held-out reports by mode, OOD reports by mode) of one seed's output folder."""
     summary = json.loads((d / "summary.json").read_text())
@@ -178,10 +222,12 @@ def write_study(seeds: list[int], dirs: list[Path], out: Path) -> dict:
     return report
 
 
-def run_study(seeds: list[int], out: Path, size: dict, console) -> dict:
+def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = False) -> dict:
     """Run the main job once per seed on a fresh stack run (``study-<time>-s<seed>``), each
-    into ``out/seed-<seed>/``, then :func:`write_study`. The stack must be down (its trainer
-    reads the seed and run at start-up); raises RuntimeError if it is up."""
+    into ``out/seed-<seed>/``, then :func:`write_study`. ``repeat``: each seed runs twice
+    (the second into ``out/seed-<seed>-repeat/``) and the report's ``repeatability`` compares
+    the two (:func:`compare_repeat`). The stack must be down (its trainer reads the seed and
+    run at start-up); raises RuntimeError if it is up."""
     from examples.agents import agent_spec
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
     from spanrl.infra.settings import get_settings
@@ -194,21 +240,36 @@ def run_study(seeds: list[int], out: Path, size: dict, console) -> dict:
         os.environ.setdefault(k, v)
     os.environ.setdefault("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    dirs = []
-    for seed in seeds:
+    dirs, repeats = [], {}
+
+    def one(seed: int, name: str) -> Path:
         os.environ["SPANRL_SEED"] = str(seed)
-        os.environ["SPANRL_RUN"] = f"study-{stamp}-s{seed}"
+        os.environ["SPANRL_RUN"] = f"study-{stamp}-{name}"
         get_settings.cache_clear()
         stack = Stack(get_settings())
         console.rule(f"seed {seed} (run {os.environ['SPANRL_RUN']})")
         stack.up()
-        d = out / f"seed-{seed}"
+        d = out / name.replace("s", "seed-", 1)
         try:
             run_main_job(MainJobConfig(agent=size.get("agent", "math"), iterations=size["iterations"],
                                        tasks_per_iteration=size["tasks"], group_size=size["group_size"],
                                        heldout_tasks=size["heldout_tasks"], out_dir=d), console=console)
         finally:
             stack.down()
-        dirs.append(d)
-        write_study(seeds[:len(dirs)], dirs, out)  # a partial report after every seed
-    return write_study(seeds, dirs, out)
+        return d
+
+    for seed in seeds:
+        dirs.append(one(seed, f"s{seed}"))
+        if repeat:
+            again = one(seed, f"s{seed}-repeat")
+            (sa, ha, _), (sb, hb, _) = load_seed_dir(dirs[-1]), load_seed_dir(again)
+            Stack(get_settings()).up(["minio"])
+            try:
+                repeats[seed] = compare_repeat(sa, sb, ha, hb, _weights(sa, get_settings()), _weights(sb, get_settings()))
+            finally:
+                Stack(get_settings()).down()
+        report = write_study(seeds[:len(dirs)], dirs, out)  # a partial report after every seed
+    if repeats:
+        report["repeatability"] = repeats
+        (out / "study.json").write_text(json.dumps(report, indent=2))
+    return report

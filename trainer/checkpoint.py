@@ -394,6 +394,13 @@ def _read_object(client, bucket: str, name: str) -> bytes | None:
         resp.release_conn()
 
 
+def read_manifest(client, bucket: str, run: str, version: int) -> dict | None:
+    """The published manifest of ``run``'s ``version`` (``s3://bucket/RUN/VERSION/manifest.json``),
+    or None when there is none."""
+    raw = _read_object(client, bucket, f"{run}/{version:06d}/{MANIFEST}")
+    return None if raw is None else json.loads(raw)
+
+
 def start_marker_name(run: str) -> str:
     return f"{run}/{START_MARKER}"
 

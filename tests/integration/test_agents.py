@@ -30,8 +30,8 @@ def _run_episodes(name: str, tasks: list[dict], settings) -> list:
     async def main():
         try:
             return await asyncio.gather(*(runner.run_attempt(
-                make_task(json.dumps(t), group_size=2, task_id=t["task_id"], timeout_s=300))
-                for t in tasks for _ in range(2)))
+                make_task(json.dumps(t), group_size=2, task_id=t["task_id"], timeout_s=300), k)
+                for t in tasks for k in range(2)))
         finally:
             await runner.sink.stop()
 

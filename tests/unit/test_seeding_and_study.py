@@ -81,7 +81,8 @@ def test_t_interval_and_pooled_difference_hand_computed():
 
 def _report(base: list[int], final: list[int], low: float) -> dict:
     def pol(xs):
-        return {"per_episode": [{"task_id": f"t{i}", "components": {"correct": x}} for i, x in enumerate(xs)],
+        return {"per_episode": [{"task_id": f"t{i}", "components": {"correct": x}, "reward": float(x)}
+                                for i, x in enumerate(xs)],
                 "tool_use_rate": None, "mean_llm_calls": None}
     d = (sum(final) - sum(base)) / len(base)
     return {"policies": {"base": pol(base), "run:4": pol(final)},
@@ -118,3 +119,19 @@ def test_per_kind_breakdown():
         {"task_id": "c", "components": {"correct": 1}}]}}}
     assert per_kind(rep, {"a": "add", "b": "add", "c": "mul"}) == {
         "add": {"base": {"episodes": 2, "correct": 0.5}}, "mul": {"base": {"episodes": 1, "correct": 1.0}}}
+
+
+def test_compare_repeat():
+    a = {"greedy": _report([0, 0, 1, 1], [1, 0, 1, 1], 0.01)}
+    b = {"greedy": _report([0, 0, 1, 1], [1, 0, 1, 0], 0.01)}
+    summ = {"iterations": [{"mean_reward": 0.2}]}
+    same = study.compare_repeat(summ, summ, a, a, {1: "x", 2: "y"}, {1: "x", 2: "y"})
+    assert same["repeatable"] and same["first_differing_version"] is None
+    assert same["heldout"]["greedy"]["same_final_reward"] == 1.0
+    for ep in b["greedy"]["policies"]["run:4"]["per_episode"]:
+        ep["reward"] = ep["components"]["correct"]
+    for ep in a["greedy"]["policies"]["run:4"]["per_episode"]:
+        ep["reward"] = ep["components"]["correct"]
+    diff = study.compare_repeat(summ, summ, a, b, {1: "x", 2: "y"}, {1: "x", 2: "z"})
+    assert (diff["identical_versions"], diff["first_differing_version"]) == ([1], 2)
+    assert diff["heldout"]["greedy"]["same_final_reward"] == 0.75 and not diff["repeatable"]
