@@ -306,6 +306,8 @@ def study(
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
+    ood_tasks: int = typer.Option(None, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
+                                  "(default: the main job's)"),
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
     repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
                                 "version, held-out episodes)"),
@@ -321,7 +323,8 @@ def study(
         raise typer.BadParameter("--seeds must be >= 1")
     size = {**agent_spec("math").DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks,
                                                              "group_size": group_size,
-                                                             "heldout_tasks": heldout_tasks}.items() if v is not None}}
+                                                             "heldout_tasks": heldout_tasks,
+                                                             "ood_tasks": ood_tasks}.items() if v is not None}}
     _check_free_space("demo")
     try:
         report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console, repeat)

@@ -253,7 +253,9 @@ def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = F
         try:
             run_main_job(MainJobConfig(agent=size.get("agent", "math"), iterations=size["iterations"],
                                        tasks_per_iteration=size["tasks"], group_size=size["group_size"],
-                                       heldout_tasks=size["heldout_tasks"], out_dir=d), console=console)
+                                       heldout_tasks=size["heldout_tasks"], out_dir=d,
+                                       **({"ood_tasks": size["ood_tasks"]} if "ood_tasks" in size else {})),
+                         console=console)
         finally:
             stack.down()
         return d
