@@ -120,12 +120,24 @@ def plot_study(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, (ax, kx, bx) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1, 1, 1.3]})
     for j, p in enumerate(report["per_seed"]):
         xs = [it["iteration"] for it in p["iterations"]]
         ax.plot(xs, [it["correct_rate"] for it in p["iterations"]], marker="o", color=f"C{j}",
                 label=f"seed {p['seed']}: correct")
         ax.plot(xs, [it["mean_reward"] for it in p["iterations"]], linestyle=":", color=f"C{j}")
+        ax.set_xticks(xs)
+        ups = p.get("trainer_updates") or []
+        ux = [u.get("update") for u in ups]
+        kx.plot(ux, [u.get("approx_kl") for u in ups], marker="o", color=f"C{j}", label=f"seed {p['seed']}: to behaviour")
+        if any("ref_kl" in u for u in ups):
+            kx.plot(ux, [u.get("ref_kl") for u in ups], marker="s", linestyle="--", color=f"C{j}",
+                    label=f"seed {p['seed']}: to reference")
+    kx.set_xlabel("update")
+    kx.set_ylabel("KL (k3, token mean)")
+    kx.set_title("per update: KL to the behaviour policy (and to the reference)", fontsize=9)
+    kx.grid(alpha=0.3)
+    kx.legend(fontsize=7)
     ax.set_xlabel("iteration (training rollouts, agent's sampling)")
     ax.set_ylabel("correct rate (dotted: mean reward)")
     ax.set_ylim(0, 1.05)
