@@ -260,6 +260,8 @@ def demo(
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after (0: none)"),
+    ood_tasks: int = typer.Option(None, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
+                                  "(math agent; default: none)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
 ) -> None:
@@ -291,6 +293,7 @@ def demo(
         summary = run_main_job(MainJobConfig(agent=agent, iterations=size["iterations"],
                                              tasks_per_iteration=size["tasks"], group_size=size["group_size"],
                                              heldout_tasks=size["heldout_tasks"],
+                                             **({"ood_tasks": ood_tasks} if ood_tasks is not None else {}),
                                              out_dir=Path(out)), console=console)
     finally:
         if not keep_up:
@@ -306,8 +309,8 @@ def study(
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
-    ood_tasks: int = typer.Option(None, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
-                                  "(default: the main job's)"),
+    ood_tasks: int = typer.Option(100, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
+                                  "(0: none)"),
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
     repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
                                 "version, held-out episodes)"),
