@@ -262,6 +262,8 @@ def demo(
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after (0: none)"),
     ood_tasks: int = typer.Option(None, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
                                   "(math agent; default: none)"),
+    train_task_set: str = typer.Option(None, help="the math agent's training tasks: arith_word (default) | "
+                                       "arith_word_balanced (one of each kind per 6 tasks)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
 ) -> None:
@@ -294,6 +296,7 @@ def demo(
                                              tasks_per_iteration=size["tasks"], group_size=size["group_size"],
                                              heldout_tasks=size["heldout_tasks"],
                                              **({"ood_tasks": ood_tasks} if ood_tasks is not None else {}),
+                                             **({"train_task_set": train_task_set} if train_task_set else {}),
                                              out_dir=Path(out)), console=console)
     finally:
         if not keep_up:
@@ -311,6 +314,7 @@ def study(
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
     ood_tasks: int = typer.Option(100, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
                                   "(0: none)"),
+    train_task_set: str = typer.Option(None, help="training tasks: arith_word (default) | arith_word_balanced"),
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
     repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
                                 "version, held-out episodes)"),
@@ -327,7 +331,8 @@ def study(
     size = {**agent_spec("math").DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks,
                                                              "group_size": group_size,
                                                              "heldout_tasks": heldout_tasks,
-                                                             "ood_tasks": ood_tasks}.items() if v is not None}}
+                                                             "ood_tasks": ood_tasks,
+                                                             "train_task_set": train_task_set}.items() if v is not None}}
     _check_free_space("demo")
     try:
         report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console, repeat)

@@ -266,7 +266,7 @@ def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = F
             run_main_job(MainJobConfig(agent=size.get("agent", "math"), iterations=size["iterations"],
                                        tasks_per_iteration=size["tasks"], group_size=size["group_size"],
                                        heldout_tasks=size["heldout_tasks"], out_dir=d,
-                                       **({"ood_tasks": size["ood_tasks"]} if "ood_tasks" in size else {})),
+                                       **{k: size[k] for k in ("ood_tasks", "train_task_set") if k in size}),
                          console=console)
         finally:
             stack.down()

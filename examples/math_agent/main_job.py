@@ -79,6 +79,9 @@ class MainJobConfig:
     #: the example agent (examples/agents.py): math | sql | rag
     agent: str = "math"
     task_set: str = "arith_word"  # the math agent's task set (other agents: their train/heldout splits)
+    #: the math agent's training task set when it is not ``task_set`` (e.g. ``arith_word_balanced``:
+    #: one problem of each kind per iteration of 6 tasks); held-out tasks stay ``task_set``
+    train_task_set: str | None = None
     seed: int = TRAIN_SEED
     heldout_seed: int = HELDOUT_SEED
     heldout_tasks: int = 200
@@ -348,7 +351,9 @@ HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
 def _task_set(cfg: MainJobConfig, split: str) -> str:
     """The task set name of ``split`` (examples/agents.load_split): the math agent's named
     set (its seeds separate train and held out), else ``AGENT:SPLIT``."""
-    return cfg.task_set if cfg.agent == "math" else f"{cfg.agent}:{split}"
+    if cfg.agent != "math":
+        return f"{cfg.agent}:{split}"
+    return cfg.train_task_set or cfg.task_set if split == "train" else cfg.task_set
 
 
 def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console, ood: bool = False) -> dict:

@@ -79,11 +79,17 @@ _ITEMS = [("box", "boxes", "pencils"), ("crate", "crates", "bottles"), ("bag", "
           ("basket", "baskets", "apples"), ("pack", "packs", "cards")]
 
 
-def _arith_item(rng) -> tuple[str, int, str, str]:
-    """(question, answer, expression, kind) of one generated problem."""
+#: the problem kinds, in the order ``arith_word_balanced`` cycles through them
+KINDS = ("mul", "add", "sub", "div", "mul_sub", "mul_add")
+
+
+def _arith_item(rng, kind: str | None = None) -> tuple[str, int, str, str]:
+    """(question, answer, expression, kind) of one generated problem (``kind``: that kind,
+    else one drawn from ``rng``)."""
     name = rng.choice(_NAMES)
     box, boxes, things = rng.choice(_ITEMS)
-    kind = rng.choice(["mul", "add", "sub", "div", "mul_sub", "mul_add"])
+    drawn = rng.choice(list(KINDS))
+    kind = kind or drawn
     if kind == "mul":
         a, b = rng.randint(12, 99), rng.randint(12, 99)
         q = f"A {box} holds {a} {things}. How many {things} are in {b} {boxes}?"
@@ -131,11 +137,36 @@ def load_arith_tasks(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, 
     return tasks
 
 
-TASK_SETS = {ARITH: load_arith_tasks, DATASET: load_tasks}
+ARITH_BALANCED = "arith_word_balanced"
+
+
+def load_arith_balanced_tasks(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, Any]]:
+    """Like :func:`load_arith_tasks`, but item ``idx`` is of kind ``KINDS[idx % 6]``, so any 6
+    consecutive items (one main-job iteration of 6 tasks) hold one problem of every kind: a
+    training set whose kind mix does not drift from iteration to iteration. ``task_id``
+    ``arith_word_balanced-{seed}-{idx}``; numbers from their own generator (no item equals an
+    ``arith_word`` item of the same seed by construction; ``disjoint`` checks questions).
+    Raises ValueError for ``size <= 0``."""
+    import random
+
+    if size <= 0:
+        raise ValueError("size must be positive")
+    tasks = []
+    for idx in range(size):
+        question, answer, expression, kind = _arith_item(random.Random(f"arith-balanced-{seed}-{idx}"),
+                                                         KINDS[idx % len(KINDS)])
+        tasks.append({"task_id": f"{ARITH_BALANCED}-{seed}-{idx}", "question": question, "answer": str(answer),
+                      "metadata": {"source_dataset": ARITH_BALANCED, "seed": seed, "source_index": idx,
+                                   "expression": expression, "kind": kind}})
+    return tasks
+
+
+TASK_SETS = {ARITH: load_arith_tasks, ARITH_BALANCED: load_arith_balanced_tasks, DATASET: load_tasks}
 
 
 def load_task_set(name: str, seed: int, size: int) -> list[dict[str, Any]]:
-    """Tasks of the named set (``arith_word`` or ``gsm_symbolic``); ValueError for another name."""
+    """Tasks of the named set (``arith_word``, ``arith_word_balanced`` or ``gsm_symbolic``);
+    ValueError for another name."""
     if name not in TASK_SETS:
         raise ValueError(f"unknown task set {name!r}; known: {', '.join(TASK_SETS)}")
     return TASK_SETS[name](seed=seed, size=size)

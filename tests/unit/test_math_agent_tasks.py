@@ -48,3 +48,16 @@ def test_load_task_set():
         T.load_task_set("nope", 0, 2)
     with pytest.raises(ValueError):
         T.load_arith_tasks(0, 0)
+
+
+def test_balanced_training_set_has_every_kind_in_each_six():
+    from examples.math_agent.tasks import KINDS, load_arith_tasks, load_task_set
+
+    tasks = load_task_set("arith_word_balanced", 0, 24)
+    for i in range(0, 24, 6):
+        assert [t["metadata"]["kind"] for t in tasks[i:i + 6]] == list(KINDS)
+    assert tasks[0]["task_id"] == "arith_word_balanced-0-0"
+    for t in tasks:  # the expression computes the answer
+        assert str(int(eval(t["metadata"]["expression"]))) == t["answer"]  # noqa: S307 - our own digits
+    held = load_arith_tasks(1000, 200)
+    assert not ({t["question"] for t in tasks} & {t["question"] for t in held})
