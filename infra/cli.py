@@ -345,7 +345,8 @@ def study(
             f"{x['difference']['estimate']:+.3f} [{x['difference']['low']:+.3f}, {x['difference']['high']:+.3f}]"
             for x in blk["per_seed"]) + f"; pooled {p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]")
     for seed, r in report.get("repeatability", {}).items():
-        console.print(f"seed {seed} twice: {'repeatable' if r['repeatable'] else 'NOT repeatable'}; identical "
+        console.print(f"seed {seed} twice: {'repeatable' if r['repeatable'] else 'NOT repeatable'} (held-out "
+                      f"episodes); weights {'identical' if r['weights_identical'] else 'not identical'}: identical "
                       f"weights at versions {r['identical_versions']} of {r['versions_compared']}; "
                       + ", ".join(f"{m}: same final reward on {x['same_final_reward']:.0%} of tasks"
                                   for m, x in r["heldout"].items()))

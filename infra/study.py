@@ -106,8 +106,9 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
         "positive_up": all((s.get("positive") or 0) > 0 for s in shifts),
         "negative_down": all((s.get("negative") or 0) < 0 for s in shifts)}
     h = out["heldout"]
-    out["target_met"] = bool(h) and all(h[m]["every_seed_above_zero"] and h[m]["no_seed_below_base"]
-                                        for m in ("greedy", "sampled") if m in h) and len(h) == 2
+    # issue 18's target: both modes above 0 in each of at least 3 seeds, none below its base
+    out["target_met"] = len(seeds) >= 3 and len(h) == 2 and all(
+        h[m]["every_seed_above_zero"] and h[m]["no_seed_below_base"] for m in ("greedy", "sampled"))
     return out
 
 
@@ -177,8 +178,10 @@ def compare_repeat(summary_a: dict, summary_b: dict, heldout_a: dict[str, dict],
     (``weights_x``: version -> sha256 of model.safetensors from the manifests), the first
     version whose weights differ (None: none), the training iterations' rewards, and per
     held-out mode the fraction of tasks whose final-policy episode got the same reward in
-    both runs and the two paired differences. Pure. Example: weights {1: "a", 2: "b"} vs
-    {1: "a", 2: "c"} -> identical_versions [1], first_differing_version 2."""
+    both runs and the two paired differences; ``repeatable``: every held-out episode got the
+    same reward in both runs (the weights may still differ in their last bits:
+    ``weights_identical``). Pure. Example: weights {1: "a", 2: "b"} vs {1: "a", 2: "c"} ->
+    identical_versions [1], first_differing_version 2, weights_identical False."""
     versions = sorted(set(weights_a) & set(weights_b))
     same = [v for v in versions if weights_a[v] == weights_b[v]]
     differing = [v for v in versions if weights_a[v] != weights_b[v]]
@@ -197,8 +200,9 @@ def compare_repeat(summary_a: dict, summary_b: dict, heldout_a: dict[str, dict],
         out["heldout"][mode] = {"tasks": len(tasks),
                                 "same_final_reward": sum(ra[t] == rb[t] for t in tasks) / len(tasks) if tasks else None,
                                 "paired_differences": diff}
-    out["repeatable"] = (not differing and bool(versions)
-                         and all(m["same_final_reward"] == 1.0 for m in out["heldout"].values()))
+    out["weights_identical"] = not differing and bool(versions)
+    # the results a user sees: every held-out episode of the final policy got the same reward
+    out["repeatable"] = bool(out["heldout"]) and all(m["same_final_reward"] == 1.0 for m in out["heldout"].values())
     return out
 
 

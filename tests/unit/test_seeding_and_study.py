@@ -103,9 +103,11 @@ def test_study_report_per_seed_and_pooled():
     # per task, averaged over the 2 seeds: t0 +1, t1 +0.5, t2 0, t3 0
     assert g["pooled_paired_bootstrap"]["estimate"] == pytest.approx(0.375)
     assert g["every_seed_above_zero"] and g["no_seed_below_base"]
-    assert r["target_met"] and r["logprob_shift_every_seed"] == {"positive_up": True, "negative_down": True}
+    assert not r["target_met"]  # the target asks for 3 seeds
+    r3 = study.study_report([0, 1, 2], summaries + summaries[:1], heldout + heldout[:1], [])
+    assert r3["target_met"] and r3["logprob_shift_every_seed"] == {"positive_up": True, "negative_down": True}
     heldout[1]["sampled"]["paired"]["run:4 - base"]["success_rate"]["low"] = -0.05
-    assert not study.study_report([0, 1], summaries, heldout, [])["target_met"]
+    assert not study.study_report([0, 1, 2], summaries + summaries[:1], heldout + heldout[:1], [])["target_met"]
     heldout[1]["greedy"]["policies"]["base"]["per_episode"].pop()
     with pytest.raises(ValueError):
         study.study_report([0, 1], summaries, heldout, [])
@@ -126,7 +128,7 @@ def test_compare_repeat():
     b = {"greedy": _report([0, 0, 1, 1], [1, 0, 1, 0], 0.01)}
     summ = {"iterations": [{"mean_reward": 0.2}]}
     same = study.compare_repeat(summ, summ, a, a, {1: "x", 2: "y"}, {1: "x", 2: "y"})
-    assert same["repeatable"] and same["first_differing_version"] is None
+    assert same["repeatable"] and same["weights_identical"] and same["first_differing_version"] is None
     assert same["heldout"]["greedy"]["same_final_reward"] == 1.0
     for ep in b["greedy"]["policies"]["run:4"]["per_episode"]:
         ep["reward"] = ep["components"]["correct"]
@@ -135,3 +137,6 @@ def test_compare_repeat():
     diff = study.compare_repeat(summ, summ, a, b, {1: "x", 2: "y"}, {1: "x", 2: "z"})
     assert (diff["identical_versions"], diff["first_differing_version"]) == ([1], 2)
     assert diff["heldout"]["greedy"]["same_final_reward"] == 0.75 and not diff["repeatable"]
+    assert not diff["weights_identical"]
+    bits = study.compare_repeat(summ, summ, a, a, {1: "x"}, {1: "z"})  # same results, other bytes
+    assert bits["repeatable"] and not bits["weights_identical"]
