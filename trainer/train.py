@@ -221,13 +221,13 @@ def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_ad
         return losses.reinforce_pp_advantages(torch.tensor([s["transition"]["reward"] for s in samples])).tolist()
     if algorithm != "grpo":
         raise ValueError(f"unknown algorithm {algorithm!r}")
-    if advantage_std_scale:
-        advantages = [s["advantage"] for s in samples]
-    else:
-        advantages = [a if "group_mean" not in s else d for s, a, d in zip(
-            samples, [s["advantage"] for s in samples],
-            losses.dr_grpo_advantages([s["transition"]["episode_return"] for s in samples],
-                                      [s.get("group_mean", 0.0) for s in samples]))]
+    advantages = [s["advantage"] for s in samples]
+    if not advantage_std_scale:  # Dr. GRPO where the sample carries its group's mean
+        grouped = [i for i, s in enumerate(samples) if "group_mean" in s]
+        dr = losses.dr_grpo_advantages([samples[i]["transition"]["episode_return"] for i in grouped],
+                                       [samples[i]["group_mean"] for i in grouped])
+        for i, a in zip(grouped, dr):
+            advantages[i] = a
     if singleton_advantage == "zero":
         return advantages
     if singleton_advantage != "batch":
@@ -276,12 +276,15 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     epoch for the ratio statistics)."""
     t0 = time.perf_counter()
     received = len(samples)
-    samples = sorted(samples, key=sample_key)  # content order: arrival order changes nothing
+    keyed = sorted(((sample_key(s), s) for s in samples), key=lambda ks: ks[0])
+    keys = [k for k, _ in keyed]  # content order: arrival order changes nothing
+    samples = [s for _, s in keyed]
     dropped = 0
     if drop_zero_variance:
         zero = losses.zero_variance_samples([s.get("group_std", 1.0) for s in samples],
                                             [s.get("group_rollouts", 2) for s in samples])
         dropped = sum(zero)
+        keys = [k for k, z in zip(keys, zero) if not z]
         samples = [s for s, z in zip(samples, zero) if not z]
     base = {"samples_received": received, "dropped_zero_variance": dropped, "samples": len(samples),
             "loss_agg": loss_agg, "mini_batches": 0, "steps": 0}
@@ -289,7 +292,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         return {**base, "update_s": time.perf_counter() - t0}
     use_ref = ref_model is not None
     advantages = sample_advantages(samples, algorithm, singleton_advantage, advantage_std_scale)
-    minis = losses.mini_batch_indices([sample_key(s) for s in samples], mini_batches)
+    minis = losses.mini_batch_indices(keys, mini_batches)
     plan = []  # per mini-batch: (micro-batch tensors, per-sample weights, completion tokens)
     for mini in minis:
         sub = [samples[i] for i in mini]
