@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faust
-from faust.streams import current_event
 
 from spanrl.producers import claims
 from spanrl.producers import metrics as prom
 from spanrl.schemas import codec, topics
-from spanrl.stream_jobs import assembly, grouping, joining
+from spanrl.stream_jobs import assembly, faust_patches, grouping, joining
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs import metrics as worker_metrics
 from spanrl.stream_jobs.clock import TimeoutClock
@@ -133,62 +132,6 @@ class StreamConfig:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _install_source_partition_transactions() -> None:
-    """Two Faust gotchas (faust-streaming 0.15, processing_guarantee="exactly_once").
-
-    Faust's TransactionManager picks the transaction of a produced record from the
-    *destination* topic's partition and co-partition group. For an output topic the app
-    does not consume (samples, dead-letter) the group lookup raises KeyError; for a
-    record sent to another partition than its source it lands in another partition's
-    transaction, which commits independently of the source offsets. We send every
-    record produced while handling an event in the transaction of that event's source
-    partition - the one that commits the event's offset and its table changelog writes
-    - which is what Kafka's consume-transform-produce pattern (KIP-98) prescribes.
-    Sends outside an event (none in this app) keep Faust's behaviour.
-    """
-    from faust.transport.consumer import TransactionManager
-
-    if getattr(TransactionManager.send, "_spanrl_patched", False):
-        return
-    original = TransactionManager.send
-
-    async def send(self, topic, key, value, partition, timestamp, headers, *, transactional_id=None):
-        event = current_event()
-        if event is not None:
-            tp = event.message.tp
-            try:
-                group = self.app.assignor.group_for_topic(tp.topic)
-            except KeyError:
-                group = None
-            if group is not None:
-                tid = f"{self.app.conf.id}-{group}-{tp.partition}"
-                return await self.producer.send(topic, key, value, partition, timestamp, headers,
-                                                transactional_id=tid)
-        return await original(self, topic, key, value, partition, timestamp, headers,
-                              transactional_id=transactional_id)
-
-    send._spanrl_patched = True
-    TransactionManager.send = send
-
-    # Second gotcha: table writes are *buffered* (Table -> changelog topic send_soon ->
-    # ProducerBuffer, drained by a background task), and in exactly_once mode Faust
-    # commits the source offsets (Consumer._commit_offsets -> TransactionManager.commit)
-    # without draining that buffer first - only the non-transactional branch flushes. A
-    # changelog write could then miss the transaction that commits its input's offset and
-    # land in the next one; a crash aborts that one, and the restarted worker restores a
-    # state without the input while the input is never read again (`make chaos`, worker
-    # fault: 13 of 72 calls lost). We drain the buffer into the open transactions before
-    # committing. Writes of events not yet in `offsets` may ride along; the assembly and
-    # grouping updates are idempotent, so re-reading such an event after a crash is a no-op.
-    original_commit = TransactionManager.commit
-
-    async def commit(self, offsets, start_new_transaction: bool = True):
-        await self.producer.flush()
-        return await original_commit(self, offsets, start_new_transaction=start_new_transaction)
-
-    TransactionManager.commit = commit
 
 
 class StoredTransition(Mapping):
@@ -310,34 +253,10 @@ class QuietWorker(faust.Worker):
         super().on_setup_root_logger(logger, level)
 
 
-def _install_recovery_highwaters() -> None:
-    """Faust gotcha (faust-streaming 0.15, processing_guarantee="exactly_once").
-
-    Table recovery reads where each changelog partition ends from aiokafka's
-    ``last_stable_offset(tp)``, which is only known after a fetch of that partition. At
-    recovery nothing has been fetched yet, so every changelog reads as empty (-1) and a
-    restarted worker starts with empty tables: pending calls, rollout states and groups
-    were lost on every restart. We ask the broker instead (ListOffsets with the
-    consumer's read_committed isolation returns the last stable offset, KIP-98), which
-    is what Faust already does outside transactions.
-    """
-    from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
-
-    if getattr(AIOKafkaConsumerThread._highwaters, "_spanrl_patched", False):
-        return
-
-    async def _highwaters(self, partitions):
-        return await self._ensure_consumer().end_offsets(partitions)
-
-    _highwaters._spanrl_patched = True
-    AIOKafkaConsumerThread._highwaters = _highwaters
-
-
 def make_app(config: StreamConfig | None = None) -> faust.App:
     """Build the stream app for ``config`` (default: from the environment)."""
     cfg = config or StreamConfig.from_env()
-    _install_source_partition_transactions()
-    _install_recovery_highwaters()
+    faust_patches.install()
     app = faust.App(
         cfg.app_id,
         broker="kafka://" + cfg.bootstrap,
@@ -554,7 +473,16 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     rollout_index = TickIndex()  # the rollout states a tick visits (stream_jobs/ticking.py)
 
     def rollout_expiry(state: dict) -> int | None:
-        return assembly.tick_due(state, assembly_cfg, cfg.retain_s, positions.get(state["partition"]))
+        """The state's next tick time (assembly.tick_due). ``NEVER`` (an attempt's inputs bound
+        is known not to be passed yet) takes it off every tick, so it is put on the waitlist
+        here, whichever path computed it (a record, a tick, the index's rebuild after a
+        restart): the waitlist hands it back the moment the positions no longer hold it."""
+        p = state["partition"]
+        due = assembly.tick_due(state, assembly_cfg, cfg.retain_s, positions.get(p))
+        if due == TickIndex.NEVER:
+            waiting.setdefault(p, InputsWaitlist()).note(state["rollout_id"], assembly.awaiting_inputs(state),
+                                                         positions.get(p))
+        return due
 
     group_index = TickIndex()  # the task states a tick visits: at their groups' time-outs (grouping.tick_due)
 
@@ -594,13 +522,12 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
 
     def note_waiting(partition: int, rid: str, state: dict) -> None:
         """Called right after ``state`` was advanced with its partition's positions: it waits
-        for its attempts' inputs bound, unless those positions pass it already (then that
-        advance has seen them; what it still lacks, e.g. its reward, is an input of its own)."""
+        while a known position is behind its attempts' inputs bound (the rule says False);
+        otherwise that advance has seen what the rule can tell (what it still lacks, e.g. its
+        reward, is an input of its own; an unknown position leaves it to the settle fallback)."""
         need = assembly.awaiting_inputs(state)
-        if need is not None and assembly.inputs_consumed(need, positions.get(partition)):
-            need = None
         if need is not None or partition in waiting:
-            waiting.setdefault(partition, InputsWaitlist()).note(rid, need)
+            waiting.setdefault(partition, InputsWaitlist()).note(rid, need, positions.get(partition))
 
     async def release_waiting(partition: int, now: int) -> None:
         """Advance the rollouts of ``partition`` whose inputs bound the positions now pass."""
@@ -610,8 +537,12 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             if state is None:
                 continue
             out = await advance_rollout(state, now, pos)
+            # re-indexed also when unchanged: the index had it as NEVER, and the positions
+            # that let it out may leave it to the settle fallback (a tick) instead
             if out.changed:
                 put_rollout(rid, state)
+            else:
+                rollout_index.note(partition, rid, rollout_expiry(state))
             note_waiting(partition, rid, state)
             await emit(out)
 
@@ -854,6 +785,35 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             "transitions_held": sum(map(len, waiting_transitions.values())),
             "transitions_reread": counters["transitions_reread"],
         })
+
+    @app.page("/spanrl/held/")
+    async def held_view(web, request):
+        """What this worker holds, per partition: the emission rule's positions, rollouts
+        waiting for them, the tick index (live keys, finished keys due), calls' token data.
+        ``?rollout=<id>``: that rollout's state and where the worker has it (chaos forensics:
+        an attempt that never left)."""
+        parts = sorted(set(positions) | set(waiting) | set(calls))
+        out: dict[str, Any] = {"partitions": {str(p): {
+            "positions": positions.get(p), "waiting": len(waiting.get(p, ())),
+            "index_scanned": rollout_index.scanned(p), "index_live": len(rollout_index._live.get(p, ())),
+            "index_due": len(rollout_index._due.get(p, {})), "calls_held": len(calls.get(p, ())),
+        } for p in parts}}
+        rid = request.query.get("rollout")
+        if rid:
+            state = rollouts.get(rid)
+            out["rollout"] = None if state is None else {
+                "partition": state["partition"],
+                "attempts": {aid: {k: a.get(k) for k in ("status", "done", "ready_ms", "ended_ms", "parked_ms",
+                                                         "inputs_bound", "last_ms")}
+                             | {"calls": len(a["calls"]), "rewards": len(a["rewards"])}
+                             for aid, a in state["attempts"].items()},
+                "awaiting_inputs": assembly.awaiting_inputs(state),
+                "waiting": rid in waiting.get(state["partition"], ()),
+                "index_live": rid in rollout_index._live.get(state["partition"], ()),
+                "index_due_at": rollout_index._due.get(state["partition"], {}).get(rid),
+                "tick_due": rollout_expiry(state),
+            }
+        return web.json(out)
 
     @app.page("/metrics")
     async def metrics_view(web, request):

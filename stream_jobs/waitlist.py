@@ -9,12 +9,20 @@ spans they bound (the topics are read side by side), so thousands wait, and that
 ~14 % of the worker's time at 1,000 spans/s (BENCHMARKS.md, issue 11) and grew with the backlog.
 
 :class:`InputsWaitlist` keeps, per role, a min-heap of bounds. A rollout sits in the heap of
-the first role (in sorted order) its bound is not yet passed on; when that role's position
-passes it, it moves on to its next unpassed role, or is let out. Positions only grow while the
-worker owns the partition (after a rebalance the app starts a fresh waitlist), so a role once
-passed needs no second look. Each record then costs O(1) (a peek per role) plus O(log n) per
-rollout that moves. A rollout noted again with another bound gets a fresh entry; the old one is
-skipped when it surfaces (lazy deletion).
+the first role (in sorted order) that its bound is *known* not to be passed on: a role with a
+position below its bound. When that role's position passes it, it moves on to its next such
+role, or is let out. A role without a position (no record of it handled on the partition since
+the worker started) is never waited on: :func:`~spanrl.stream_jobs.assembly.inputs_consumed`
+is then None, not False, and the app's settle-time fallback (a tick) decides. A rollout must
+leave the waitlist at exactly the moment the rule stops saying False: the app's tick index
+takes a False rollout off every tick (``NEVER``) and counts on the waitlist to hand it back
+(CI, worker fault: a rollout whose rewards position was unknown sat in the rewards heap for
+good while its spans passed; one attempt never left, 3 calls neither transitioned nor
+dead-lettered). Positions only grow while the worker owns the partition (after a rebalance
+the app starts a fresh waitlist), so a role once passed needs no second look. Each record
+then costs O(1) (a peek per role) plus O(log n) per rollout that moves. A rollout noted
+again with another bound gets a fresh entry; the old one is skipped when it surfaces (lazy
+deletion).
 
 In memory only, like the positions it is compared with; not state.
 """
@@ -38,23 +46,25 @@ class InputsWaitlist:
     def __contains__(self, rollout_id: str) -> bool:
         return rollout_id in self._need
 
-    def note(self, rollout_id: str, need: dict[str, int] | None) -> None:
-        """Wait for ``need`` (None or empty: stop waiting). Noting the same bound again is a no-op."""
-        if not need:
+    def note(self, rollout_id: str, need: dict[str, int] | None, positions: dict[str, int] | None = None) -> bool:
+        """Wait for ``need`` while ``positions`` (role -> next offset to process) are known to
+        be behind it on some role; None, empty or not behind on any known role: stop waiting.
+        Returns whether the rollout waits. Noting the same bound again is a no-op."""
+        role_end = _first_behind(need, positions) if need else None
+        if role_end is None:
             self._need.pop(rollout_id, None)
-            return
+            return False
         if self._need.get(rollout_id) == need:
-            return
+            return True
         self._need[rollout_id] = dict(need)
         key = tuple(sorted(need.items()))
-        role, end = key[0]
-        heapq.heappush(self._heaps.setdefault(role, []), (end, next(self._seq), rollout_id, key))
+        heapq.heappush(self._heaps.setdefault(role_end[0], []), (role_end[1], next(self._seq), rollout_id, key))
+        return True
 
     def ready(self, positions: dict[str, int]) -> list[str]:
-        """The rollouts whose bound ``positions`` (role -> next offset to process) passes on
-        every role, in the order they were let out; they stop waiting. A role without a
-        position passes nothing (:func:`~spanrl.stream_jobs.assembly.inputs_consumed` is None
-        then: the settle-time fallback decides)."""
+        """The rollouts whose bound ``positions`` passes on every role that has a position
+        (:func:`~spanrl.stream_jobs.assembly.inputs_consumed` no longer False), in the order
+        they were let out; they stop waiting."""
         out: list[str] = []
         moved = True
         while moved:
@@ -65,7 +75,7 @@ class InputsWaitlist:
                     _, _, rid, key = heapq.heappop(heap)
                     if tuple(sorted(self._need.get(rid, {}).items())) != key:
                         continue  # noted again since, or no longer waiting
-                    nxt = next(((r, e) for r, e in key if positions.get(r) is None or positions[r] < e), None)
+                    nxt = _first_behind(dict(key), positions)
                     if nxt is None:
                         del self._need[rid]
                         out.append(rid)
@@ -73,3 +83,10 @@ class InputsWaitlist:
                         heapq.heappush(self._heaps.setdefault(nxt[0], []), (nxt[1], next(self._seq), rid, key))
                         moved = True
         return out
+
+
+def _first_behind(need: dict[str, int], positions: dict[str, int] | None) -> tuple[str, int] | None:
+    """The first role (sorted) whose known position is below ``need``'s bound, as (role, bound)."""
+    if not positions:
+        return None
+    return next(((r, e) for r, e in sorted(need.items()) if positions.get(r) is not None and positions[r] < e), None)

@@ -1,0 +1,242 @@
+"""Every patch of Faust's internals the worker needs, in one place (faust-streaming 0.15).
+
+:func:`install` applies them (idempotent; stream_jobs/app.py calls it before it builds the
+app) after :func:`check_version`, which refuses a Faust they were not verified against.
+Each patch names what it works around and carries the text of the upstream report (the
+faust-streaming tracker's known issues it relates to are cited; where none says it
+exactly, the report below is the one to file). Tests: tests/unit/test_faust_buffer_drain.py
+(fails without the buffer drain), test_stream_app / test_chaos (worker SIGKILL: 0 lost,
+0 duplicated), tests/unit/test_faust_patches.py (the version and that install patches).
+
+1. :func:`_install_source_partition_transactions`: records produced while handling an event
+   go in the transaction of the event's source partition; and the commit drains the producer
+   buffer first (:func:`drain_producer_buffer`).
+
+   Upstream report: "exactly_once: table changelog writes can miss the transaction that
+   commits their input's offset. ``Table.__setitem__`` queues the changelog record in the
+   ProducerBuffer (``send_soon``); ``Consumer._commit_offsets`` in transactional mode calls
+   ``TransactionManager.commit`` without draining the buffer (only the non-transactional
+   branch flushes, PR #273), and ``ProducerBuffer.flush()`` itself gives up after 0.1 s per
+   message and ignores the message its background task holds. A SIGKILL after such a commit
+   loses the state change while the input's offset is committed: the restarted worker never
+   reads the input again. Seen as lost table updates after kill -9 (robinhood/faust#340).
+   Expected: the commit of offsets O carries every changelog write made while handling the
+   events below O. Also: TransactionManager.send picks the transaction by the destination
+   topic's partition and co-partition group, so a record for a topic the app does not consume
+   raises KeyError and one sent to another partition commits independently of its source."
+
+2. :func:`_install_recovery_highwaters`: table recovery asks the broker where each changelog
+   partition ends.
+
+   Upstream report: "exactly_once: with isolation_level=read_committed, Recovery reads each
+   changelog's highwater from the consumer's fetch state (``AIOKafkaConsumerThread._highwaters``),
+   which is empty before the first fetch, so every changelog reads as empty (-1) and a
+   restarted worker starts with empty tables. Related: faust-streaming#47, robinhood/faust#658
+   (the LSO of a partition without a position during a rebalance). Expected: ListOffsets
+   (last stable offset), as outside transactions."
+
+3. :func:`_install_resume_keeps_live_queues`: resuming a flow that is not suspended leaves
+   the agents' queues alone.
+
+   Upstream report: "Records lost after a restart with exactly_once (the first records of a
+   partition after its committed offset). At the end of table recovery, ``Recovery`` resumes
+   the stream partitions, awaits ``consumer.perform_seek()``, then calls
+   ``app.flow_control.resume()``. The flow is already active (recovery resumed it to read the
+   changelogs), and mode's ``FlowControlEvent.resume()`` clears every ``clear_on_resume``
+   queue regardless, dropping the records the fetcher delivered to the agents while the seek
+   was awaited. ``Consumer._drain_messages`` had already moved ``_read_offset`` past them, so
+   they are not delivered again, and the next commit passes their offsets. Seen as a span, a
+   reward or a lifecycle event that a restarted worker never handled while its offset was
+   committed (spanrl CI, worker SIGKILL, 1 run in 3-5). Expected: resume() clears queues only
+   when it ends a suspension; revoked partitions' records are already cleared by
+   ``flow_control.clear()`` in ``on_partitions_revoked``."
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from faust.streams import current_event
+
+log = logging.getLogger(__name__)
+
+#: faust-streaming versions these patches were verified against (make chaos, worker fault)
+VERIFIED_VERSIONS = ("0.15.3",)
+#: mode-streaming (Faust's service library, FlowControlEvent) versions, likewise
+VERIFIED_MODE_VERSIONS = ("0.7.1",)
+
+
+def check_version() -> str:
+    """The installed faust-streaming version. Raises RuntimeError, naming it and the
+    verified ones, when the patches were not verified against it (or against the installed
+    mode-streaming): they may patch code that moved, or no longer be needed, and
+    exactly-once would then rest on an unchecked guess."""
+    from importlib.metadata import version
+
+    for dist, verified in (("faust-streaming", VERIFIED_VERSIONS), ("mode-streaming", VERIFIED_MODE_VERSIONS)):
+        v = version(dist)
+        if v not in verified:
+            raise RuntimeError(
+                f"{dist} {v} is installed, but stream_jobs/faust_patches.py was verified against "
+                f"{', '.join(verified)} only: install one of those (pyproject.toml pins faust-streaming, which brings mode-streaming), or re-verify "
+                f"the patches (tests/unit/test_faust_patches.py, tests/unit/test_faust_buffer_drain.py, "
+                f"make chaos ARGS='--faults worker') and add {v} to its verified versions")
+    return version("faust-streaming")
+
+
+def install() -> None:
+    """Apply every patch (idempotent)."""
+    check_version()
+    _install_source_partition_transactions()
+    _install_recovery_highwaters()
+    _install_resume_keeps_live_queues()
+
+
+def _install_source_partition_transactions() -> None:
+    """Two Faust gotchas (faust-streaming 0.15, processing_guarantee="exactly_once").
+
+    Faust's TransactionManager picks the transaction of a produced record from the
+    *destination* topic's partition and co-partition group. For an output topic the app
+    does not consume (samples, dead-letter) the group lookup raises KeyError; for a
+    record sent to another partition than its source it lands in another partition's
+    transaction, which commits independently of the source offsets. We send every
+    record produced while handling an event in the transaction of that event's source
+    partition - the one that commits the event's offset and its table changelog writes
+    - which is what Kafka's consume-transform-produce pattern (KIP-98) prescribes.
+    Sends outside an event (none in this app) keep Faust's behaviour.
+    """
+    from faust.transport.consumer import TransactionManager
+
+    if getattr(TransactionManager.send, "_spanrl_patched", False):
+        return
+    original = TransactionManager.send
+
+    async def send(self, topic, key, value, partition, timestamp, headers, *, transactional_id=None):
+        event = current_event()
+        if event is not None:
+            tp = event.message.tp
+            try:
+                group = self.app.assignor.group_for_topic(tp.topic)
+            except KeyError:
+                group = None
+            if group is not None:
+                tid = f"{self.app.conf.id}-{group}-{tp.partition}"
+                return await self.producer.send(topic, key, value, partition, timestamp, headers,
+                                                transactional_id=tid)
+        return await original(self, topic, key, value, partition, timestamp, headers,
+                              transactional_id=transactional_id)
+
+    send._spanrl_patched = True
+    TransactionManager.send = send
+
+    # Second gotcha: table writes are *buffered* (Table -> changelog topic send_soon ->
+    # ProducerBuffer, drained by a background task), and in exactly_once mode Faust
+    # commits the source offsets (Consumer._commit_offsets -> TransactionManager.commit)
+    # without draining that buffer first - only the non-transactional branch flushes. A
+    # changelog write could then miss the transaction that commits its input's offset and
+    # land in the next one; a crash aborts that one, and the restarted worker restores a
+    # state without the input while the input is never read again (`make chaos`, worker
+    # fault: 13 of 72 calls lost). We drain the buffer into the open transactions before
+    # committing. Writes of events not yet in `offsets` may ride along; the assembly and
+    # grouping updates are idempotent, so re-reading such an event after a crash is a no-op.
+    # Faust's own Producer.flush() does not drain it: ProducerBuffer.flush_atmost waits 0.1 s
+    # per message for the background sender and returns on that time-out with messages
+    # still queued, and it does not wait for the one the sender holds. On 2 busy cores that
+    # happened (CI, worker fault: a span, a reward and a terminal event whose offsets were
+    # committed while their state writes died with the killed worker; 4 attempts, 13 of 36
+    # calls missing): :func:`drain_producer_buffer` sends every queued write itself and
+    # waits for the sender's.
+    original_commit = TransactionManager.commit
+
+    async def commit(self, offsets, start_new_transaction: bool = True):
+        await drain_producer_buffer(self.app.producer.buffer)
+        await self.producer.flush()
+        return await original_commit(self, offsets, start_new_transaction=start_new_transaction)
+
+    commit._spanrl_patched = True
+    TransactionManager.commit = commit
+    _count_buffer_sends()
+
+
+def _count_buffer_sends() -> None:
+    """Count the writes Faust's background sender holds (taken off ``pending``, not yet
+    handed to the Kafka producer), for :func:`drain_producer_buffer`."""
+    from faust.transport.producer import ProducerBuffer
+
+    if getattr(ProducerBuffer._send_pending, "_spanrl_patched", False):
+        return
+    original = ProducerBuffer._send_pending
+
+    async def _send_pending(self, fut) -> None:
+        self._spanrl_sending = getattr(self, "_spanrl_sending", 0) + 1
+        try:
+            await original(self, fut)
+        finally:
+            self._spanrl_sending -= 1
+
+    _send_pending._spanrl_patched = True
+    ProducerBuffer._send_pending = _send_pending
+
+
+async def drain_producer_buffer(buffer) -> int:
+    """Hand every write queued in Faust's ProducerBuffer (table changelog writes are
+    queued there: ``Table.__setitem__`` cannot await) to the Kafka producer now, and wait
+    until the background sender holds none either. After it returns, each write made
+    before the call sits in its transactional producer (``producer.flush()`` then sends
+    it), so a transaction committed next carries it. Returns how many this call sent.
+    Never gives up on a slow sender (Faust's ``flush_atmost`` does, after 0.1 s)."""
+    sent = 0
+    while True:
+        while True:
+            try:
+                fut = buffer.pending.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            await buffer._send_pending(fut)
+            sent += 1
+        if not getattr(buffer, "_spanrl_sending", 0) and buffer.pending.empty():
+            return sent
+        await asyncio.sleep(0.001)  # the background sender finishes the write it holds
+
+
+def _install_recovery_highwaters() -> None:
+    """Faust gotcha (faust-streaming 0.15, processing_guarantee="exactly_once").
+
+    Table recovery reads where each changelog partition ends from aiokafka's
+    ``last_stable_offset(tp)``, which is only known after a fetch of that partition. At
+    recovery nothing has been fetched yet, so every changelog reads as empty (-1) and a
+    restarted worker starts with empty tables: pending calls, rollout states and groups
+    were lost on every restart. We ask the broker instead (ListOffsets with the
+    consumer's read_committed isolation returns the last stable offset, KIP-98), which
+    is what Faust already does outside transactions.
+    """
+    from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+
+    if getattr(AIOKafkaConsumerThread._highwaters, "_spanrl_patched", False):
+        return
+
+    async def _highwaters(self, partitions):
+        return await self._ensure_consumer().end_offsets(partitions)
+
+    _highwaters._spanrl_patched = True
+    AIOKafkaConsumerThread._highwaters = _highwaters
+
+
+def _install_resume_keeps_live_queues() -> None:
+    """``FlowControlEvent.resume()`` clears the managed queues only when it ends a
+    suspension (patch 3 in the module doc)."""
+    from mode.utils.queues import FlowControlEvent
+
+    if getattr(FlowControlEvent.resume, "_spanrl_patched", False):
+        return
+    original = FlowControlEvent.resume
+
+    def resume(self) -> None:
+        if self._suspend.is_set():
+            original(self)  # ends a suspension: clears, as upstream
+        else:
+            self._resume.set()  # already flowing: the queued records are live, keep them
+
+    resume._spanrl_patched = True
+    FlowControlEvent.resume = resume
+
