@@ -90,6 +90,23 @@ else
   log "Chromium + chromedriver installed ($(/usr/bin/chromium --version 2>/dev/null | head -1))"
 fi
 
+# --- Node packages of the JavaScript OTLP/JSON exporter test ---------------------
+# tests/integration/test_otlp_json_node.py runs the OpenTelemetry JS SDK's default exporter
+# (OTLP/JSON) against the stack's bridge; `npm ci` installs the pinned packages from the npm
+# registry into the fixture's node_modules (ignored by git; npm's own cache makes a fresh
+# clone's install quick).
+js="$root/tests/fixtures/otlp_json_js"
+if command -v npm >/dev/null; then
+  if [ ! -f "$js/node_modules/.package-lock.json" ] || [ "$js/package-lock.json" -nt "$js/node_modules/.package-lock.json" ]; then
+    log "Node packages for the OTLP/JSON exporter test (npm ci in tests/fixtures/otlp_json_js)"
+    (cd "$js" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+  else
+    log "Node packages for the OTLP/JSON exporter test installed"
+  fi
+else
+  log "WARNING: npm not found: tests/integration/test_otlp_json_node.py will fail (install Node.js 20 with npm)"
+fi
+
 # --- Base model ------------------------------------------------------------------
 log "Base model (SmolLM2-135M-Instruct safetensors)"
 (cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.infra.model)

@@ -2,6 +2,11 @@
 
     python -m spanrl.producers.bridge [--port P] [--topic-prefix X] [--max-body-bytes N]
 
+``POST /v1/traces`` takes OTLP/HTTP protobuf (``application/x-protobuf``, the Python SDK's
+exporter) and OTLP/JSON (``application/json``, the JavaScript SDK's default), gzip or not;
+both decode to the same records (producers/otlp.py), and the answer (an
+ExportTraceServiceResponse) is encoded as the request was.
+
 Promise: a client that got a 2xx finds its spans in Kafka (we answer only after the
 broker acknowledged every record). Spans that cannot be used go to dead-letter with a
 reason code and are reported back as ``partial_success.rejected_spans``. A span without
@@ -28,6 +33,7 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
     ExportTraceServiceResponse,
@@ -37,11 +43,19 @@ from pydantic import BaseModel, Field, SecretStr
 from spanrl.producers import claims, edge, production
 from spanrl.producers import metrics as prom
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
-from spanrl.producers.otlp import Converted, OtlpError, convert_request, decode_request
+from spanrl.producers.otlp import (
+    JSON,
+    MEDIA_TYPES,
+    PROTOBUF,
+    Converted,
+    OtlpError,
+    convert_request,
+    decode_request,
+    media_type,
+)
 from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.bridge")
-PROTOBUF = "application/x-protobuf"
 DEFAULT_MAX_BODY = int(os.environ.get("SPANRL_BRIDGE_MAX_BODY_BYTES", 8 << 20))
 RETRY_AFTER_S = "5"
 BUFFER_RETRY_AFTER_S = "1"  # the buffer drains as fast as Kafka acks, usually in milliseconds
@@ -179,10 +193,10 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
     @app.post("/v1/traces")
     async def traces(request: Request) -> Response:
         metrics["requests"] += 1
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != PROTOBUF:
-            return error(415, "unsupported_media_type",
-                         f"Content-Type must be {PROTOBUF} (OTLP/HTTP protobuf), got {ctype!r}")
+        ctype = media_type(request.headers.get("content-type"))
+        if ctype not in MEDIA_TYPES:
+            return error(415, "unsupported_media_type", f"Content-Type must be {PROTOBUF} (OTLP/HTTP protobuf) "
+                         f"or {JSON} (OTLP/JSON), got {ctype!r}")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > max_body_bytes:
             return error(413, "body_too_large", f"body over {max_body_bytes} bytes")
@@ -192,7 +206,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             if len(body) > max_body_bytes:
                 return error(413, "body_too_large", f"body over {max_body_bytes} bytes")
         try:
-            req = decode_request(bytes(body), request.headers.get("content-encoding"), max_body_bytes)
+            req = decode_request(bytes(body), request.headers.get("content-encoding"), max_body_bytes, ctype)
         except OtlpError as exc:
             reason = {400: "invalid_otlp", 413: "body_too_large", 415: "unsupported_encoding"}.get(exc.status, "invalid_otlp")
             return error(exc.status, reason, exc.detail)
@@ -241,6 +255,8 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             resp.partial_success.CopyFrom(ExportTracePartialSuccess(
                 rejected_spans=sum(rejected.values()),
                 error_message="dead-lettered: " + ", ".join(f"{k}={v}" for k, v in sorted(rejected.items()))))
+        if ctype == JSON:  # proto3 JSON: {} or {"partialSuccess": {"rejectedSpans": "1", "errorMessage": ...}}
+            return JSONResponse(json_format.MessageToDict(resp), 200)
         return Response(resp.SerializeToString(), 200, media_type=PROTOBUF)
 
     @app.post("/v1/rewards")

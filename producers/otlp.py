@@ -1,21 +1,33 @@
-"""Pure conversion: OTLP/HTTP protobuf request -> spanrl Span / Reward / dead-letter records.
+"""Pure conversion: OTLP/HTTP request (protobuf or JSON) -> spanrl Span / Reward / dead-letter records.
 
-No I/O here; :mod:`spanrl.producers.bridge` does the HTTP and Kafka plumbing.
+Both encodings decode to one ``ExportTraceServiceRequest`` message, so the same spans give
+the same records whichever the exporter sent. No I/O here; :mod:`spanrl.producers.bridge`
+does the HTTP and Kafka plumbing.
 """
 from __future__ import annotations
 
 import base64
 import json
 import math
+import re
 import zlib
 from dataclasses import dataclass
 
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from spanrl.producers import instrument as keys
+
+#: the OTLP/HTTP media types (OTLP spec, "OTLP/HTTP": "Binary Protobuf Encoding", "JSON
+#: Protobuf Encoding"); the answer is encoded as the request was
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+MEDIA_TYPES = (PROTOBUF, JSON)
+#: the most characters of a JSON parser's message an error detail keeps
+JSON_ERROR_MAX = 300
 
 
 class OtlpError(ValueError):
@@ -45,8 +57,19 @@ class Converted:
     orphan: bool = False
 
 
-def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 8 << 20) -> ExportTraceServiceRequest:
-    """Decode an OTLP/HTTP protobuf body. Raises only :class:`OtlpError` (400/413/415)."""
+def media_type(content_type: str | None) -> str:
+    """The media type of a ``Content-Type`` header value, lower case, parameters dropped
+    (``"Application/JSON; charset=utf-8"`` -> ``"application/json"``; None -> ``""``)."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: int = 8 << 20,
+                   content_type: str = PROTOBUF) -> ExportTraceServiceRequest:
+    """Decode an OTLP/HTTP body: ``content_type`` one of :data:`MEDIA_TYPES` (a media type,
+    see :func:`media_type`), ``content_encoding`` gzip or identity, at most ``max_bytes``
+    after gunzip. Raises only :class:`OtlpError` (400/413/415)."""
+    if content_type not in MEDIA_TYPES:
+        raise OtlpError(415, f"unsupported Content-Type {content_type!r} ({PROTOBUF} or {JSON})")
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "gzip":
         body = _gunzip(body, max_bytes)
@@ -54,6 +77,8 @@ def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: 
         raise OtlpError(415, f"unsupported Content-Encoding {content_encoding!r} (gzip or identity)")
     if not body:
         raise OtlpError(400, "empty body")
+    if content_type == JSON:
+        return parse_json_request(body)
     request = ExportTraceServiceRequest()
     try:
         consumed = request.ParseFromString(body)
@@ -64,6 +89,126 @@ def decode_request(body: bytes, content_encoding: str | None = None, max_bytes: 
     if consumed is not None and consumed != len(body):
         raise OtlpError(400, "trailing bytes after ExportTraceServiceRequest")
     return request
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON (proto3 JSON writes a double's NaN / Infinity as a string)")
+
+
+def parse_json_request(body: bytes) -> ExportTraceServiceRequest:
+    """An OTLP/JSON body (UTF-8 JSON, OTLP spec "JSON Protobuf Encoding") as the message
+    the same spans sent as protobuf decode to.
+
+    The proto3 JSON mapping (``google.protobuf.json_format``) with OTLP's exceptions: trace
+    and span ids are hex (:func:`hex_ids_to_base64`); fields and enum names it does not know
+    are ignored ("OTLP/JSON receivers MUST ignore message fields with unknown names"; an
+    unknown enum name reads as 0); 64-bit integers as decimal strings or numbers ("either
+    numbers or strings are accepted when decoding"). Accepted beyond what OTLP senders must
+    write, as proto3 JSON parsers do: the proto's snake_case names besides lowerCamelCase,
+    enum names besides integers. Null is the field's default; a double's NaN / Infinity are
+    the strings ``"NaN"`` / ``"Infinity"`` (the bare tokens are not JSON: refused). Raises
+    only :class:`OtlpError` (400), naming the field where the parser does."""
+    try:
+        obj = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise OtlpError(400, f"OTLP/JSON body is not UTF-8: {exc.reason} at byte {exc.start}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise OtlpError(400, f"not JSON: {_parse_error_detail(str(exc))}") from exc
+    if not isinstance(obj, dict):
+        raise OtlpError(400, f"an OTLP/JSON ExportTraceServiceRequest is an object, got {type(obj).__name__}")
+    obj = hex_ids_to_base64(obj)
+    request = ExportTraceServiceRequest()
+    try:
+        json_format.ParseDict(obj, request, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise OtlpError(400, f"not an ExportTraceServiceRequest: {_parse_error_detail(str(exc))}") from exc
+    except Exception as exc:  # noqa: BLE001 - RecursionError on deep kvlists, the upb setters on odd values
+        raise OtlpError(400, f"not an ExportTraceServiceRequest: {type(exc).__name__}: "
+                             f"{_parse_error_detail(str(exc))}") from exc
+    return request
+
+
+_PARSE_STEP = re.compile(r"Failed to parse (\w+) field: ")
+
+
+def _parse_error_detail(message: str) -> str:
+    """json_format's message with its chain of ``Failed to parse X field:`` (one per level)
+    as a dotted path in front (``resourceSpans.scopeSpans.spans.startTimeUnixNano: ...``),
+    at most :data:`JSON_ERROR_MAX` characters, cut in the middle (a long value sits there;
+    the path is at either end)."""
+    fields = []
+    while (m := _PARSE_STEP.match(message)) is not None:
+        fields.append(m.group(1))
+        message = message[m.end():]
+    message = message.rstrip(".")
+    if fields:
+        message = f"{'.'.join(fields)}: {message}"
+    if len(message) <= JSON_ERROR_MAX:
+        return message
+    half = JSON_ERROR_MAX // 2
+    return f"{message[:half]} ... {message[-half:]}"
+
+
+#: the hex-encoded id fields of OTLP/JSON traces: (JSON name, proto name, bytes)
+_SPAN_IDS = (("traceId", "trace_id", 16), ("spanId", "span_id", 8), ("parentSpanId", "parent_span_id", 8))
+_LINK_IDS = _SPAN_IDS[:2]
+_HEX = re.compile(r"[0-9a-fA-F]*")
+
+
+def hex_ids_to_base64(request: dict) -> dict:
+    """An OTLP/JSON ExportTraceServiceRequest (parsed JSON) with its trace and span ids in
+    base64, as the proto3 JSON parser expects for ``bytes`` fields.
+
+    OTLP spec, "OTLP/HTTP" > "JSON Protobuf Encoding": "traceId and spanId byte arrays are
+    represented as case-insensitive hex-encoded strings; they are not base64-encoded as is
+    defined in the standard Protobuf JSON Mapping". Here: ``traceId`` (32 hex digits),
+    ``spanId`` and ``parentSpanId`` (16) of every span, ``traceId`` / ``spanId`` of its
+    links, under either name (lowerCamelCase or snake_case); ``parentSpanId``, which the
+    spec's sentence does not name, is a span id too (the JavaScript exporter writes it in
+    hex, tests/fixtures/otlp_json_js). ``""`` or null stays as it is
+    (the field's default, as an absent field in protobuf); other ``bytes`` (``bytesValue``)
+    are base64 as proto3 JSON says. Anything not shaped like a request is left for the
+    parser to refuse. Pure: returns new dicts along the id paths, the rest shared.
+    Raises :class:`OtlpError` (400) naming the field, e.g.
+    ``resourceSpans[0].scopeSpans[0].spans[1].traceId``, for an id of other characters or
+    length (protobuf's decoder takes any length; an OTLP/JSON id must be the hex of 16 / 8 bytes)."""
+
+    def ids(message: dict, where: str, fields: tuple) -> dict:
+        out = dict(message)
+        for json_name, proto_name, size in fields:
+            for name in (json_name, proto_name):
+                if out.get(name) not in (None, ""):
+                    out[name] = _hex_id_to_base64(out[name], f"{where}.{name}", size)
+        return out
+
+    def span(message: dict, where: str) -> dict:
+        return _each(ids(message, where, _SPAN_IDS), ("links",), where, lambda link, w: ids(link, w, _LINK_IDS))
+
+    def scope_spans(message: dict, where: str) -> dict:
+        return _each(message, ("spans",), where, span)
+
+    def resource_spans(message: dict, where: str) -> dict:
+        return _each(message, ("scopeSpans", "scope_spans"), where, scope_spans)
+
+    return _each(request, ("resourceSpans", "resource_spans"), "", resource_spans)
+
+
+def _each(message: dict, names: tuple[str, ...], where: str, convert) -> dict:
+    """``message`` with ``convert(item, path)`` applied to each object of its lists ``names``."""
+    out = dict(message)
+    for name in names:
+        items = out.get(name)
+        if isinstance(items, list):
+            path = f"{where}.{name}" if where else name
+            out[name] = [convert(x, f"{path}[{i}]") if isinstance(x, dict) else x for i, x in enumerate(items)]
+    return out
+
+
+def _hex_id_to_base64(value: object, where: str, size: int) -> str:
+    if not isinstance(value, str) or len(value) != 2 * size or not _HEX.fullmatch(value):
+        got = json.dumps(value)[:40] + (f" ({len(value)} characters)" if isinstance(value, str) else "")
+        raise OtlpError(400, f"{where} must be {2 * size} hex digits (OTLP/JSON ids are hex, not base64), got {got}")
+    return base64.b64encode(bytes.fromhex(value)).decode()
 
 
 def _gunzip(body: bytes, max_bytes: int) -> bytes:

@@ -57,7 +57,7 @@ def test_bad_input_answers_and_counters(client):
         (traces, {"content": otlp_with_name(b"N\xff\xfeE"), "headers": PB}, 400, "invalid_otlp"),
         (traces, {"content": otlp_with_name(b"N\xc3(E"), "headers": PB}, 400, "invalid_otlp"),
         (traces, {"content": b"", "headers": PB}, 400, "invalid_otlp"),
-        (traces, {"content": b"{}", "headers": {"content-type": "application/json"}}, 415, "unsupported_media_type"),
+        (traces, {"content": b"{}", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type"),
         (traces, {"content": b"x", "headers": {**PB, "content-encoding": "br"}}, 415, "unsupported_encoding"),
         (rewards, {"content": b'{"rollout_id": "r", "value": Infinity}', "headers": {"content-type": "application/json"}},
          400, "invalid_reward"),
