@@ -129,7 +129,7 @@ def test_bridge_rejects_bad_input(kafka_stack):
     url = bridge + "/v1/traces"
     pb = {"content-type": "application/x-protobuf"}
     before = httpx.get(bridge + "/status").json()
-    assert httpx.post(url, content=b"{}", headers={"content-type": "application/json"}).status_code == 415
+    assert httpx.post(url, content=b"{}", headers={"content-type": "text/plain"}).status_code == 415  # JSON is OTLP/JSON now
     assert httpx.post(url, content=b"", headers=pb).status_code == 400
     assert httpx.post(url, content=b"\xff\x01garbage", headers=pb).status_code == 400
     assert httpx.post(url, content=b"\0" * 200_000, headers=pb).status_code == 413
