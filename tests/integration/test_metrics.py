@@ -45,6 +45,9 @@ def scrape(url: str, headers: dict) -> list:
 
 
 def test_every_service_exposes_prometheus_metrics(stack, settings):
+    # earlier tests stop and restart services (the main job restarts the trainer with its own
+    # settings; CI saw the trainer's port refused here): bring every component up first
+    stack.up()
     headers = bearer_headers(settings.auth_token)
     # one greedy call on the evaluation route (recorded to spans.eval, never trained on): the
     # proxy's request counter and its upstream and Kafka ack histograms move
