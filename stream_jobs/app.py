@@ -480,8 +480,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         p = state["partition"]
         due = assembly.tick_due(state, assembly_cfg, cfg.retain_s, positions.get(p))
         if due == TickIndex.NEVER:
-            waiting.setdefault(p, InputsWaitlist()).note(state["rollout_id"], assembly.awaiting_inputs(state),
-                                                         positions.get(p))
+            note_waiting(p, state["rollout_id"], state)
         return due
 
     group_index = TickIndex()  # the task states a tick visits: at their groups' time-outs (grouping.tick_due)
