@@ -26,7 +26,8 @@ returned in the same response header), the group from ``x-spanrl-task`` /
 
 Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
 (their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
-(producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids.
+(producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids; streamed, as
+the Messages stream events, ``message_stop`` only after Kafka acked the call.
 
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
@@ -490,8 +491,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
                           parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api,
                           attributes)
-        if streamed and api == responses.RESPONSES:
-            events = responses.ResponseEvents(client_body, body)
+        if streamed and api in (responses.RESPONSES, MESSAGES):  # that API's events from vLLM's chat chunks
+            events = responses.ResponseEvents(client_body, body) if api == responses.RESPONSES \
+                else messages.MessageEvents()
             return await stream(ctx, path, lambda chunk: sse_events(events.chunk(chunk)),
                                 lambda answer: sse_events(events.finish(answer)),
                                 lambda reason, message, status: sse_events([events.error(reason, message)]))
@@ -760,7 +762,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
 
 
 def sse_events(events: list[dict]) -> bytes:
-    """Responses stream events as server-sent events, each named by its ``type``."""
+    """Responses or Messages stream events as server-sent events, each named by its ``type``."""
     return b"".join(streaming.sse_event(e, e["type"]) for e in events)
 
 

@@ -2,7 +2,8 @@
 
 vLLM's own ``/v1/messages`` returns no token ids or log-probs, so the proxy serves Messages from
 chat completions (producers/messages.py) and records each call like a chat call, with the exact
-token ids and log-probs; the span has ``spanrl.api = anthropic.messages``.
+token ids and log-probs; the span has ``spanrl.api = anthropic.messages``. Streamed Messages
+(``messages.stream``) are tested in test_proxy_streaming.py, against a proxy from this checkout.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def test_messages_refusals_are_400_with_a_reason(settings):
                                  api_key="unused", max_retries=0)
     image = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/a.png"}}
     for kwargs, reason in [({"messages": [{"role": "user", "content": [image]}]}, "unsupported_content"),
-                           ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream_not_supported")]:
+                           ({"messages": [{"role": "user", "content": "x"}], "thinking": {
+                               "type": "enabled", "budget_tokens": 1024}}, "thinking_not_supported")]:
         with pytest.raises(anthropic.BadRequestError) as exc:
             client.messages.create(model=settings.model_name, max_tokens=8, **kwargs)
         assert exc.value.body["error"]["type"] == reason

@@ -1,6 +1,7 @@
 """Streamed calls and n > 1 through the proxy, with the real client libraries (OpenAI SDK,
-LangChain, OpenAI Agents SDK) against the real vLLM and Kafka: each test reads the recorded
-spans back from Kafka and checks their token ids and log-probs against what the client saw.
+LangChain, OpenAI Agents SDK; the anthropic SDK's ``messages.stream`` for streamed Anthropic
+Messages) against the real vLLM and Kafka: each test reads the recorded spans back from Kafka
+and checks their token ids and log-probs against what the client saw.
 
 The proxy runs from this checkout as a subprocess on a free port (tests/integration/services.py),
 writing to this module's own ``pstest-<id>-*`` topics; ``--reloader-url ''`` keeps its policy
@@ -12,6 +13,7 @@ import asyncio
 import json
 import uuid
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -317,3 +319,109 @@ def test_streamed_refusals_are_plain_4xx(proxy):
     # refused by vLLM before it streams (max_tokens over the context): vLLM's 400 as it is
     r = httpx.post(base, json={"model": S.model_name, "messages": SAY_HI, "stream": True, "max_tokens": 10**6})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json") and r.json()["error"]
+
+
+# ------------------------------------------------------------------ streamed Anthropic Messages
+WEATHER = {"name": "get_weather", "description": "Current weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                            "required": ["city"], "additionalProperties": False}}
+
+
+def anthropic_client(base: str, rid: str, **kwargs) -> anthropic.Anthropic:
+    """The anthropic client of rollout ``rid`` on the proxy at ``base`` (the SDK adds ``/v1/messages``)."""
+    return anthropic.Anthropic(base_url=f"{base}/rollouts/{rid}/attempts/0", api_key="unused", max_retries=0, **kwargs)
+
+
+def streamed_message(client: anthropic.Anthropic, **ask):
+    """``client.messages.stream(**ask)`` read to its end: (the events' types, the text pieces,
+    the tool input pieces, ``get_final_message()``)."""
+    with client.messages.stream(model=S.model_name, **ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    return ([e.type for e in events], [e.text for e in events if e.type == "text"],
+            [e.partial_json for e in events if e.type == "input_json"], final)
+
+
+def assert_message_is_the_call(span: dict, final) -> None:
+    """``span`` is the record of the streamed Messages answer ``final``."""
+    llm = span["llm"]
+    assert (span["attributes"]["spanrl.api"], span["attributes"]["spanrl.streamed"]) == ("anthropic.messages", "true")
+    assert span["attributes"]["gen_ai.response.id"] == final.id == llm["request_id"]
+    assert len(llm["prompt_token_ids"]) == final.usage.input_tokens
+    assert len(llm["completion_token_ids"]) == len(llm["completion_logprobs"]) == final.usage.output_tokens
+
+
+def test_anthropic_sdk_messages_stream_records_what_the_client_saw(proxy, tokenizer):
+    """Streamed Messages text: ``message_start`` first, ``message_stop`` last, the text in pieces
+    as vLLM generated it; the span's completion ids decode to that text, and the same request
+    not streamed (same sampling seed) gives the same tokens."""
+    rid = uuid.uuid4().hex
+    client = anthropic_client(proxy["url"], rid, default_headers={"x-spanrl-sampling-seed": "1234"})
+    ask = dict(max_tokens=12, system="Be brief.", messages=[{"role": "user", "content": "Say hi to Ada."}],
+               extra_body={"temperature": 0.9})
+    kinds, texts, _, final = streamed_message(client, **ask)
+    plain = client.messages.create(model=S.model_name, **ask)
+    assert (kinds[0], kinds[-1]) == ("message_start", "message_stop") and len(texts) >= 2
+    [block] = final.content
+    assert block.type == "text" and "".join(texts) == block.text
+    streamed, unstreamed = spans_of(proxy, rid, 2)
+    assert_message_is_the_call(streamed, final)
+    llm = streamed["llm"]
+    tokenizer.assert_text(llm["completion_token_ids"], block.text)
+    assert final.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[llm["finish_reason"]]
+    assert tokenizer.decode(llm["prompt_token_ids"]).startswith("system\nBe brief.")
+    # token fidelity: streamed and not, same seed -> same tokens and the same answer
+    assert unstreamed["llm"]["completion_token_ids"] == llm["completion_token_ids"]
+    assert unstreamed["llm"]["completion_logprobs"] == pytest.approx(llm["completion_logprobs"], abs=1e-4)
+    assert (plain.content[0].text, plain.stop_reason, plain.usage.output_tokens) == (
+        block.text, final.stop_reason, final.usage.output_tokens)
+
+
+def test_anthropic_sdk_messages_stream_with_tools(proxy, tokenizer):
+    """A forced tool call streamed: a ``tool_use`` block whose ``input_json`` pieces join to its
+    input, ``stop_reason`` ``tool_use``, the call the recorded tokens spell; then its
+    ``tool_result`` streamed back in the next turn reaches the next prompt."""
+    rid = uuid.uuid4().hex
+    client = anthropic_client(proxy["url"], rid)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kinds, texts, pieces, forced = streamed_message(
+        client, max_tokens=48, tools=[WEATHER], messages=ask, tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0.0})
+    [use] = [b for b in forced.content if b.type == "tool_use"]
+    assert (use.name, forced.stop_reason, kinds[-1]) == ("get_weather", "tool_use", "message_stop")
+    assert use.input["city"] in ("Paris", "Oslo") and json.loads("".join(pieces)) == use.input and len(pieces) >= 2
+    kinds2, _, _, result = streamed_message(
+        client, max_tokens=12, tools=[WEATHER], extra_body={"temperature": 0.0},
+        messages=ask + [{"role": "assistant", "content": [b.model_dump(include={"type", "id", "name", "input", "text"})
+                                                          for b in forced.content]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny."}]}])
+    assert kinds2[-1] == "message_stop" and result.content
+    first, second = spans_of(proxy, rid, 2)
+    assert_message_is_the_call(first, forced)
+    assert_message_is_the_call(second, result)
+    assert f'{{"name": "get_weather", "arguments": {{"city": "{use.input["city"]}"}}}}' in \
+        tokenizer.decode(first["llm"]["completion_token_ids"])
+    assert first["attributes"]["spanrl.tool_calls"] == '["get_weather"]'
+    assert "<tool_response>\nSunny.\n</tool_response>" in tokenizer.decode(second["llm"]["prompt_token_ids"])
+
+
+def test_messages_stream_without_kafka_never_sends_message_stop():
+    """Kafka unreachable: the text streams, then Anthropic's ``event: error`` with
+    ``kafka_unavailable`` instead of ``message_delta`` / ``message_stop``; the SDK raises it."""
+    proc, url = start_service("spanrl.producers.proxy", "--kafka-bootstrap", f"{S.host}:1", "--reloader-url", "",
+                              env={"SPANRL_KAFKA_SEND_TIMEOUT_S": "1"})
+    try:
+        texts = []
+        with pytest.raises(anthropic.APIStatusError) as err:
+            with anthropic_client(url, "r").messages.stream(
+                    model=S.model_name, max_tokens=4, messages=[{"role": "user", "content": "Say hi."}]) as stream:
+                for text in stream.text_stream:
+                    texts.append(text)
+        assert err.value.body["error"]["type"] == "kafka_unavailable" and texts
+        raw = httpx.post(f"{url}/rollouts/r/attempts/0/v1/messages", timeout=30, json={
+            "model": S.model_name, "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}]}).text
+        assert raw.startswith("event: message_start\n") and "message_stop" not in raw
+        assert '"type":"error","error":{"type":"kafka_unavailable"' in raw
+        assert httpx.get(url + "/status").json()["kafka_unavailable"] == 2
+    finally:
+        stop(proc)

@@ -59,6 +59,15 @@ def test_tool_choice(choice, chat):
     assert out["tool_choice"] == chat and "parallel_tool_calls" not in out
 
 
+def test_stream_is_passed_on():
+    """``stream`` goes to the chat request as it is (the proxy's ``check_stream`` refuses a
+    non-boolean with 400 ``invalid_request``); absent, none is sent."""
+    ask = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    assert chat_request({**ask, "stream": True})["stream"] is True
+    assert chat_request({**ask, "stream": "yes"})["stream"] == "yes"
+    assert "stream" not in chat_request(ask)
+
+
 def test_output_config_format_is_a_json_schema_response_format():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     out = chat_request({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
@@ -76,7 +85,6 @@ USER = [{"role": "user", "content": "x"}]
     ({"max_tokens": 4, "messages": []}, "invalid_request"),
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "invalid_request"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": 3}]}, "invalid_request"),
-    ({"max_tokens": 4, "messages": USER, "stream": True}, "stream_not_supported"),
     ({"max_tokens": 4, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking_not_supported"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}]}, "unsupported_content"),

@@ -202,7 +202,7 @@ def test_proxy_messages_route_refuses_before_vllm():
         for url in ("/rollouts/r/attempts/0/v1/messages", "/eval/0/rollouts/r/attempts/0/v1/messages"):
             for body, status, reason in [
                 ({"model": "policy", "messages": user}, 400, "invalid_request"),
-                ({"model": "policy", "max_tokens": 4, "messages": user, "stream": True}, 400, "stream_not_supported"),
+                ({"model": "policy", "max_tokens": 4, "messages": user, "stream": "yes"}, 400, "invalid_request"),
                 ({"model": "other", "max_tokens": 4, "messages": user}, 404, "model_not_found"),
             ]:
                 r = client.post(url, json=body)
