@@ -10,6 +10,15 @@ Prints one JSON line. bench/gpu_trainer.py runs the same on a GPU with larger de
 adds its KL term; the line then has the reference model's bytes. ``rss_after_setup_mib`` and
 ``peak_rss_mib`` (the process's maximum resident set, getrusage) are comparable between two runs
 of this script (each its own process).
+
+Memory (issue 20): a thread samples the resident set every 2 ms; ``phase_peak_rss_mib`` is the
+highest RSS seen in each phase (load_model, build_engine, then per update u0, u1, ...: forward,
+backward, step, the rest of train_update), ``model_state_mib`` the fp32 Adam model state
+(parameters x 16 bytes: weights, gradients, two moments), ``target_rss_mib`` twice that (issue
+20's target) and ``peak_over_target`` = peak RSS / target. ``--activation-checkpointing`` and
+``--logprob-chunk`` default to the trainer's settings (TrainerConfig); run the script with
+``PYTHONPATH`` at an older checkout (from that checkout) to measure its code with this harness:
+options it lacks are then left out.
 """
 from __future__ import annotations
 
@@ -42,38 +51,113 @@ def _rss_mib() -> float:
         return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
 
 
-def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int, kl_coef: float = 0.0) -> dict:
+class PhaseRss:
+    """Peak resident set per named phase, sampled every ``interval_s`` by a daemon thread
+    (torch's CPU allocator is invisible to tracemalloc; RSS is what the kernel charges)."""
+
+    def __init__(self, interval_s: float = 0.002):
+        import threading
+
+        self.phase, self.peaks = "start", {}
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._interval = interval_s
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def rss_mib(self) -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page / 2**20
+
+    def _sample(self) -> None:
+        while True:
+            r, p = self.rss_mib(), self.phase
+            self.peaks[p] = max(self.peaks.get(p, 0.0), r)
+            time.sleep(self._interval)
+
+    def wrap(self, obj, name: str, label) -> None:
+        """Count calls of ``obj.name`` as phase ``label()``, what follows as ``label()`` + ``:rest``."""
+        f = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            self.phase = label()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.phase = label().rsplit(":", 1)[0] + ":rest"
+        setattr(obj, name, wrapped)
+
+
+def model_state_bytes(params: int) -> int:
+    """Bytes of an fp32 Adam model state: weights, gradients and two moments, 4 bytes each per
+    parameter (issue 20's yardstick: 135M parameters -> 2.15 GB)."""
+    return 16 * params
+
+
+def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int, kl_coef: float = 0.0,
+            micro_batch_tokens: int | None = None, activation_checkpointing: bool | None = None,
+            logprob_chunk: int | None = None) -> dict:
+    import inspect
     import resource
 
     import torch
 
     from spanrl.infra.settings import get_settings
+    from spanrl.trainer import train
     from spanrl.trainer.train import build_engine, load_model, load_reference_model, train_update
 
+    rss = PhaseRss()
+    cfg = train.TrainerConfig()
+    extra, options = {}, {}
+    if "activation_checkpointing" in inspect.signature(load_model).parameters:  # older code: left out
+        ckpt = cfg.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        options["activation_checkpointing"] = ckpt
+        extra_load = {"activation_checkpointing": ckpt}
+    else:
+        extra_load = {}
+    if "logprob_chunk" in inspect.signature(train_update).parameters:
+        extra["logprob_chunk"] = options["logprob_chunk"] = cfg.logprob_chunk if logprob_chunk is None else logprob_chunk
     t0 = time.perf_counter()
-    model = load_model(get_settings().model_dir)
+    rss.phase = "load_model"
+    model = load_model(get_settings().model_dir, **extra_load)
+    params = sum(p.numel() for p in model.parameters())
+    rss.phase = "build_engine"
     engine = build_engine(model, lr=1e-6, micro_batch=micro_batch)
     ref = load_reference_model(get_settings().model_dir) if kl_coef > 0 else None
     setup_s = time.perf_counter() - t0
     rss_setup = _rss_mib()
     batch = samples(n, prompt, completion)
-    per = [train_update(engine, batch, micro_batch=micro_batch, kl_coef=kl_coef, ref_model=ref)
-           for _ in range(updates)]
+    update = [0]
+    for name in ("forward", "backward", "step"):
+        rss.wrap(engine, name, lambda name=name: f"u{update[0]}:{name}")
+    per = []
+    for u in range(updates):
+        update[0] = u
+        rss.phase = f"u{u}:rest"
+        per.append(train_update(engine, batch, micro_batch=micro_batch, kl_coef=kl_coef, ref_model=ref,
+                                micro_batch_tokens=micro_batch_tokens, **extra))
+    rss.phase = "end"
+    time.sleep(0.01)
     timed = per[1:] or per
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    state = model_state_bytes(params) / 2**20
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {
         "device": dev, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "code": str(Path(train.__file__).resolve().parents[1]), **options,
         "params": {"updates": updates, "samples": n, "prompt_tokens": prompt, "completion_tokens": completion,
-                   "micro_batch": micro_batch, "ppo_epochs": 1,
+                   "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens, "ppo_epochs": 1,
                    "dtype": "bf16" if torch.cuda.is_available() else "fp32"},
         "kl_coef": kl_coef,
         "reference_model_mib": (sum(p.numel() * p.element_size() for p in ref.parameters()) / 2**20) if ref else 0.0,
         "rss_after_setup_mib": rss_setup,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak,
+        "phase_peak_rss_mib": {k: round(v) for k, v in rss.peaks.items()},
+        "parameters": params, "model_state_mib": round(state), "target_rss_mib": round(2 * state),
+        "peak_over_target": round(peak / (2 * state), 3),
         "setup_s": setup_s, "warmup_update_s": per[0]["update_s"],
         "s_per_update": statistics.median(p["update_s"] for p in timed),
         "tokens_per_s": statistics.median(p["tokens_per_s"] for p in timed),
-        "summary": {"device": dev, "s_per_update": round(statistics.median(p["update_s"] for p in timed), 2),
+        "summary": {"device": dev, "peak_rss_mib": round(peak), "peak_over_target": round(peak / (2 * state), 3),
+                    "s_per_update": round(statistics.median(p["update_s"] for p in timed), 2),
                     "tokens_per_s": round(statistics.median(p["tokens_per_s"] for p in timed), 1)},
     }
 
@@ -96,8 +180,14 @@ def main(argv=None, defaults=(3, 8, 200, 100, 4)) -> None:
     ap.add_argument("--completion", type=int, default=defaults[3])
     ap.add_argument("--micro-batch", type=int, default=defaults[4])
     ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0: with the reference policy's KL term")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="padded tokens per micro-batch (None: off)")
+    ap.add_argument("--activation-checkpointing", type=int, choices=(0, 1), default=None,
+                    help="default: SPANRL_TRAINER_ACTIVATION_CHECKPOINTING")
+    ap.add_argument("--logprob-chunk", type=int, default=None, help="default: SPANRL_TRAINER_LOGPROB_CHUNK")
     a = ap.parse_args(argv)
-    print(json.dumps(measure(a.updates, a.samples, a.prompt, a.completion, a.micro_batch, a.kl_coef)), flush=True)
+    ckpt = None if a.activation_checkpointing is None else bool(a.activation_checkpointing)
+    print(json.dumps(measure(a.updates, a.samples, a.prompt, a.completion, a.micro_batch, a.kl_coef,
+                             a.micro_batch_tokens, ckpt, a.logprob_chunk)), flush=True)
 
 
 if __name__ == "__main__":

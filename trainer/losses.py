@@ -45,6 +45,67 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mas
     return out * completion_mask
 
 
+class _TargetLogprob(torch.autograd.Function):
+    """``log softmax(h @ W.T)[target]`` per row, computed ``chunk`` rows at a time; only the
+    inputs and one logsumexp per row are kept for backward, which recomputes each chunk's
+    logits (see :func:`chunked_token_logprobs`)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        n = h.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        target_logit = torch.empty(n, dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk):
+            logits = (h[s:s + chunk] @ weight.T).float()  # [c, V], as the lm_head then .float()
+            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            target_logit[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            del logits
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk = chunk
+        return target_logit - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, targets, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for s in range(0, h.shape[0], chunk):
+            hc, g = h[s:s + chunk], grad[s:s + chunk].float()
+            # d logp / d logits = onehot(target) - softmax(logits)
+            dlogits = torch.exp((hc @ weight.T).float() - lse[s:s + chunk, None]).mul_(-g[:, None])
+            dlogits[torch.arange(hc.shape[0], device=h.device), targets[s:s + chunk]] += g
+            if grad_h is not None:
+                grad_h[s:s + chunk] = dlogits.to(h.dtype) @ weight
+            if grad_w is not None:
+                grad_w += dlogits.T @ hc.float()
+            del dlogits
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, input_ids: torch.Tensor,
+                           completion_mask: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """:func:`token_logprobs` of ``logits = hidden @ lm_head_weight.T`` without ever holding
+    the ``[B, T, V]`` logits: only positions whose next token is a completion token are
+    scored, ``chunk`` of them at a time, each keeping its target logit and its logsumexp
+    (backward recomputes the chunk's logits). Peak extra memory ~3 x ``chunk`` x V float32
+    instead of ~3 x B x T x V; one more ``[chunk, H] x [H, V]`` matmul per chunk in backward.
+
+    hidden ``[B, T, H]`` (the final hidden states, after the last norm: position t predicts
+    token t+1), lm_head_weight ``[V, H]`` (an lm_head without bias or logit soft-capping),
+    input_ids ``[B, T]``, completion_mask ``[B, T]``. Returns ``[B, T]`` float32, the same
+    values (and gradients w.r.t. ``hidden`` and the weight) as ``token_logprobs`` up to float
+    rounding. Raises ValueError for ``chunk`` < 1.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    scored = completion_mask[:, 1:] > 0  # [B, T-1]: positions t-1 that predict a completion token t
+    logp = _TargetLogprob.apply(hidden[:, :-1][scored], lm_head_weight, input_ids[:, 1:][scored], chunk)
+    out = torch.zeros(scored.shape, dtype=torch.float32, device=hidden.device).masked_scatter(scored, logp)
+    return F.pad(out, (1, 0), value=0.0) * completion_mask
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -49,6 +50,14 @@ log = logging.getLogger("spanrl.trainer")
 # Files save_pretrained writes itself; every other file of the base dir (tokenizer,
 # chat template, generation config, ...) is copied into each checkpoint.
 _MODEL_FILES = {"config.json", "model.safetensors", "model.safetensors.index.json", checkpoint.MANIFEST}
+
+#: completion positions whose log-probs are computed at once (losses.chunked_token_logprobs):
+#: ~3 x 256 x 49,152 float32 = 150 MB of logits at a time for SmolLM2; 0: the full logits of a
+#: micro-batch's completion window (losses.token_logprobs), the path before issue 20
+LOGPROB_CHUNK = 256
+#: elements per ZeRO gradient-reduction / all-gather bucket: DeepSpeed's default 5e8 is 2 GB of
+#: float32 staged per backward (~0.5 GB of it touched for a 135M model); this is 80 MB
+BUCKET_ELEMENTS = 20_000_000
 
 
 class TrainerConfig(BaseSettings):
@@ -95,6 +104,12 @@ class TrainerConfig(BaseSettings):
     idle_flush_s: float = 10.0
     micro_batch: int = 8  # at most this many sequences per micro-batch ...
     micro_batch_tokens: int = 2048  # ... and at most this many padded tokens
+    #: recompute each decoder layer's activations in backward (HF gradient checkpointing,
+    #: non-reentrant) instead of keeping them: ~1.3 MB -> ~0.07 MB kept per token for SmolLM2,
+    #: one more forward per micro-batch (trainer/README.md, "Memory")
+    activation_checkpointing: bool = True
+    #: completion positions per log-prob chunk (losses.chunked_token_logprobs); 0: full logits
+    logprob_chunk: int = LOGPROB_CHUNK
     max_tokens: int = 4096
     checkpoint_every: int = 1
     keep_local: int = 2  # local checkpoint copies kept per run (0: all)
@@ -119,8 +134,56 @@ class TrainerConfig(BaseSettings):
 
 # ---- engine ---------------------------------------------------------------------------
 
+LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
+
+
+def rendezvous_bind_address(master_addr: str | None) -> str:
+    """The address rank 0's torch.distributed TCP store listens on, from ``MASTER_ADDR``.
+
+    Unset, empty or a loopback address / name (one machine): ``127.0.0.1`` (``::1`` for an
+    IPv6 loopback), never every interface as torch's own store does (``*:port``). Any other
+    address or host name (ranks on several machines): that address itself, i.e. only the
+    interface the other machines were told to reach. Raises ValueError for an unspecified
+    address (``0.0.0.0``, ``::``): peers cannot connect to it, and it would listen everywhere.
+    Examples: None -> "127.0.0.1"; "localhost" -> "127.0.0.1"; "::1" -> "::1";
+    "10.0.0.5" -> "10.0.0.5"; "trainer-0.svc" -> "trainer-0.svc".
+    """
+    import ipaddress
+
+    addr = (master_addr or "").strip().strip("[]")
+    if not addr or addr.lower() in LOOPBACK_NAMES:
+        return "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return addr  # a host name: resolved by bind() to the machine's address for it
+    if ip.is_unspecified:
+        raise ValueError(f"MASTER_ADDR {master_addr!r} is not an address peers can reach; "
+                         "use 127.0.0.1 on one machine or rank 0's address across machines")
+    if ip.is_loopback:
+        return "::1" if ip.version == 6 else "127.0.0.1"
+    return str(ip)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (port 0: a free one), for the TCP store."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
 def init_distributed() -> None:
-    """Single-process torch.distributed for DeepSpeed (gloo on CPU, nccl on GPU)."""
+    """torch.distributed for DeepSpeed (gloo on CPU, nccl on GPU) with a rendezvous that
+    listens only where :func:`rendezvous_bind_address` says (loopback on one machine).
+
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torch's launchers set them (defaults:
+    one rank, 127.0.0.1, a free port). Rank 0 binds the store's socket itself and hands it to
+    ``TCPStore(master_listen_fd=...)``; other ranks connect to MASTER_ADDR:MASTER_PORT."""
+    import datetime
+
     import deepspeed
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -128,13 +191,24 @@ def init_distributed() -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(get_settings().cache_dir / "torch_extensions"))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host = rendezvous_bind_address(os.environ.get("MASTER_ADDR"))
+    os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR") or host
+    timeout = datetime.timedelta(minutes=10)
+    if rank == 0:
+        sock = _listening_socket(host, int(os.environ.get("MASTER_PORT", 0)))
+        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        store = torch.distributed.TCPStore(host, int(os.environ["MASTER_PORT"]), world, True, timeout,
+                                           master_listen_fd=sock.detach())  # the store owns the fd now
+    else:
+        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                           False, timeout)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo" and host in ("127.0.0.1", "::1") and sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own listeners on loopback too
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
 
 
 def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float) -> dict:
@@ -144,7 +218,8 @@ def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,  # accumulation is driven explicitly in train_update
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False},
+        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
+                              "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
@@ -192,14 +267,53 @@ def load_reference_model(model_dir: Path):
     return model
 
 
-def load_model(model_dir: Path):
+def load_model(model_dir: Path, activation_checkpointing: bool = False):
+    """The policy of ``model_dir`` (bf16 on GPU, fp32 on CPU, SDPA attention, no KV cache);
+    ``activation_checkpointing``: each decoder layer's activations are recomputed in backward
+    (HF gradient checkpointing, non-reentrant) instead of kept from the forward."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     # sdpa: no [B, heads, T, T] score tensors kept for backward (eager attention OOMs on CPU)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+@contextlib.contextmanager
+def lm_head_bypassed(model):
+    """Within the block the model's output layer is the identity, so its ``.logits`` are the
+    final hidden states ``[B, K, H]`` (for losses.chunked_token_logprobs); yields the output
+    layer's weight ``[V, H]``. Raises ValueError for an output layer with a bias or a model
+    that scales or soft-caps its logits (the chunked log-probs would differ)."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError("chunked log-probs need a bias-free linear output layer; set logprob_chunk=0")
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(model.config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"chunked log-probs do not apply the model's {name}; set logprob_chunk=0")
+    model.set_output_embeddings(torch.nn.Identity())
+    try:
+        yield head.weight
+    finally:
+        model.set_output_embeddings(head)
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_mask, window: int, chunk: int):
+    """Log-probs ``[B, window]`` of the last ``window`` positions of ``input_ids`` under
+    ``model`` (the engine or the reference model; masked by ``completion_mask[:, -window:]``):
+    ``chunk`` > 0 through losses.chunked_token_logprobs (never the ``[B, window, V]``
+    logits), 0 through the full logits and losses.token_logprobs."""
+    ids, mask = input_ids[:, -window:], completion_mask[:, -window:]
+    if not chunk:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
+        return losses.token_logprobs(logits, ids, mask)
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    with lm_head_bypassed(module) as weight:
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
+    return losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk)
 
 
 # ---- one update (algorithm) -----------------------------------------------------------
@@ -257,12 +371,13 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  micro_batch_tokens: int | None = None, loss_agg: str = "token_mean",
                  singleton_advantage: str = "batch", ratio_cap: float | None = None,
                  advantage_std_scale: bool = True, drop_zero_variance: bool = False,
-                 mini_batches: int = 1, ref_model=None) -> dict:
+                 mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
     mini-batch (``losses.sequence_loss_weights``: token_mean, sequence_mean or
-    per_rollout_mean); ``ratio_cap``: dual-clip (``losses.dual_clip``; None: off).
+    per_rollout_mean); log-probs ``logprob_chunk`` completion positions at a time
+    (:func:`completion_logprobs`; 0: full logits); ``ratio_cap``: dual-clip (``losses.dual_clip``; None: off).
     ``advantage_std_scale`` False: Dr. GRPO advantages (:func:`sample_advantages`).
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
@@ -320,22 +435,19 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
                                                             b.behaviour_logprobs, b.advantages, b.returns)))
                 token_w = b.completion_mask * chunk_w[i].to(device)[:, None]  # [B, T]
-                # logits only over the trailing window that predicts completion tokens
+                # log-probs only over the trailing window that predicts completion tokens
                 # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
                 K = batching.completion_window(b)
-                logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask, logits_to_keep=K).logits
+                logp = completion_logprobs(engine, b.input_ids, b.attention_mask, b.completion_mask, K,
+                                           logprob_chunk)
                 ref_logp = None
                 if use_ref:
                     with torch.no_grad():
-                        ref_logits = ref_model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                                               logits_to_keep=K).logits
+                        ref_logp = completion_logprobs(ref_model, b.input_ids, b.attention_mask,
+                                                       b.completion_mask, K, logprob_chunk)
                 b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
                                    b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
                 token_w = token_w[:, -K:]
-                logp = losses.token_logprobs(logits, b.input_ids, b.completion_mask)
-                if use_ref:
-                    ref_logp = losses.token_logprobs(ref_logits, b.input_ids, b.completion_mask)
-                    del ref_logits
                 # weights of the mini-batch sum to 1 (token mean, sequence mean or per-rollout mean)
                 loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
                                             clip_eps=clip_eps, kl_coef=kl_coef,
@@ -350,7 +462,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                                                                                b.completion_mask, clip_eps))
                     if use_ref:
                         epoch_stats["ref_kl"] += w * float(losses.reference_kl(logp, ref_logp, b.completion_mask))
-                del logits, logp, loss, ref_logp
+                del logp, loss, ref_logp
             engine.step()
             steps += 1
             if epoch == 0 and "grad_norm" not in epoch_stats:
@@ -812,7 +924,7 @@ class Trainer:
         from spanrl.schemas.codec import SchemaError, decode
 
         await self._retry("resume", self.resume)
-        model = await asyncio.to_thread(load_model, self.model_dir)
+        model = await asyncio.to_thread(load_model, self.model_dir, self.cfg.activation_checkpointing)
         tok = AutoTokenizer.from_pretrained(str(self.model_dir))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         self.engine = await asyncio.to_thread(build_engine, model, lr=self.cfg.lr,
@@ -901,7 +1013,7 @@ class Trainer:
                 ratio_cap=self.cfg.ratio_cap if kept else None,
                 advantage_std_scale=self.cfg.advantage_std_scale,
                 drop_zero_variance=self.cfg.drop_zero_variance,
-                mini_batches=self.cfg.mini_batches, ref_model=self.ref_model)
+                mini_batches=self.cfg.mini_batches, ref_model=self.ref_model, logprob_chunk=self.cfg.logprob_chunk)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)
         before = dict(self.state.trained_offsets)
