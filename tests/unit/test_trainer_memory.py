@@ -46,8 +46,11 @@ def test_chunked_logprobs_and_checkpointing_leave_the_update_unchanged():
     for m, w in runs:
         for key in ("loss", "approx_kl", "ref_kl", "clip_frac"):
             assert m[key] == pytest.approx(m_full[key], abs=1e-6), key
+        # Adam's first step moves each weight by about lr * g / (|g| + eps): for the few elements
+        # whose gradient is near eps, float noise in g shows as ~1e-6 in the weight (seen once
+        # under load: 1.3e-6); a wrong gradient moves weights by ~lr = 1e-3
         for n, p in w_full.items():
-            assert torch.allclose(w[n], p, atol=1e-6), n
+            assert torch.allclose(w[n], p, atol=1e-5), n
     assert any(not torch.equal(a, w_full[n]) for n, a in base.named_parameters())  # a step was taken
 
 
