@@ -159,7 +159,8 @@ class SpanrlSide:
         """A bridge process on ``port`` writing to this run's topics; log ``<workdir>/<name>.log``."""
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         return subprocess.Popen(
-            [sys.executable, "-m", "spanrl.producers.bridge", "--port", str(port), "--topic-prefix", self.prefix],
+            [sys.executable, "-m", "spanrl.producers.bridge", "--port", str(port), "--grpc-port", "0",
+             "--topic-prefix", self.prefix],
             cwd=REPO, env=env, stdout=open(self.workdir / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
 

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     payload_bucket: str = "spanrl-payloads"
     vllm_port: int = 18000
     bridge_port: int = 14318
+    #: the bridge's OTLP/gRPC receiver (the role of OTLP's 4317; producers/otlp_grpc.py); 0: none
+    bridge_grpc_port: int = 14317
     proxy_port: int = 18080
     faust_web_port: int = 16066
     reloader_port: int = 18090
@@ -124,6 +126,12 @@ class Settings(BaseSettings):
     @property
     def bridge_url(self) -> str:
         return f"http://{self.host}:{self.bridge_port}"
+
+    @property
+    def bridge_grpc_endpoint(self) -> str:
+        """What ``OTEL_EXPORTER_OTLP_ENDPOINT`` of a gRPC exporter names: ``http://host:port``
+        (``http``: no TLS, the exporter's ``insecure``)."""
+        return f"http://{self.host}:{self.bridge_grpc_port}"
 
     @property
     def proxy_url(self) -> str:

@@ -146,8 +146,10 @@ class Stack:
                 health=lambda: _http_ok(f"{s.vllm_url}/health"),
                 start_timeout_s=300,
             ),
-            Component("bridge", py + ["spanrl.producers.bridge"],
-                      health=lambda: _http_ok(f"{s.bridge_url}/health")),
+            Component("bridge", py + ["spanrl.producers.bridge", "--grpc-port", str(s.bridge_grpc_port)],
+                      # the gRPC receiver binds before HTTP serves; its port is checked all the same
+                      health=lambda: _http_ok(f"{s.bridge_url}/health") and (
+                          not s.bridge_grpc_port or _tcp_open(s.host, s.bridge_grpc_port))),
             Component("proxy", py + ["spanrl.producers.proxy"],
                       health=lambda: _http_ok(f"{s.proxy_url}/health")),
             Component("stream", py + ["spanrl.stream_jobs.app", "worker", "-l", "info",
@@ -310,7 +312,8 @@ class Stack:
         """(name, running, healthy, endpoint) for every component."""
         s = self.s
         where = {"kafka": s.kafka_bootstrap, "minio": f"http://{s.minio_endpoint}", "vllm": s.vllm_url,
-                 "bridge": s.bridge_url, "proxy": s.proxy_url,
+                 "bridge": f"{s.bridge_url} (OTLP/gRPC {s.bridge_grpc_endpoint})" if s.bridge_grpc_port
+                 else s.bridge_url, "proxy": s.proxy_url,
                  "stream": f"http://{s.host}:{s.faust_web_port}", "trainer": f"http://{s.host}:{s.trainer_port}",
                  "reloader": f"http://{s.host}:{s.reloader_port}", "dashboard": s.dashboard_url}
         return [(n, self.running(n), self.healthy(n), where[n]) for n in self.components]

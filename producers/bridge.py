@@ -1,11 +1,14 @@
-"""OTLP/HTTP receiver: agent spans in, Avro Span/Reward/DeadLetter records to Kafka out.
+"""OTLP receiver: agent spans in, Avro Span/Reward/DeadLetter records to Kafka out.
 
-    python -m spanrl.producers.bridge [--port P] [--topic-prefix X] [--max-body-bytes N]
+    python -m spanrl.producers.bridge [--port P] [--grpc-port G] [--topic-prefix X] [--max-body-bytes N]
 
 ``POST /v1/traces`` takes OTLP/HTTP protobuf (``application/x-protobuf``, the Python SDK's
 exporter) and OTLP/JSON (``application/json``, the JavaScript SDK's default), gzip or not;
 both decode to the same records (producers/otlp.py), and the answer (an
-ExportTraceServiceResponse) is encoded as the request was.
+ExportTraceServiceResponse) is encoded as the request was. OTLP/gRPC (``TraceService/Export``,
+producers/otlp_grpc.py) is served on ``--grpc-port`` (``SPANRL_BRIDGE_GRPC_PORT``; 0: off) in the
+same process and loop, through the same :func:`create_app` ``export``: the same records, auth
+and limits, refusals as gRPC status codes.
 
 Promise: a client that got a 2xx finds its spans in Kafka (we answer only after the
 broker acknowledged every record). Spans that cannot be used go to dead-letter with a
@@ -36,12 +39,14 @@ from fastapi.responses import JSONResponse, Response
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
+    ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 from pydantic import BaseModel, Field, SecretStr
 
-from spanrl.producers import claims, edge, production
+from spanrl.producers import claims, edge, ids, otlp_grpc, production
 from spanrl.producers import metrics as prom
+from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.otlp import (
     JSON,
@@ -63,7 +68,8 @@ DEFAULT_MAX_INFLIGHT = 64 << 20
 #: the bridge's plain counters (its JSON ``/status``) as Prometheus counters; every other key
 #: is a status, dead-letter or refusal reason (prom.count_families)
 PLAIN_COUNTERS = {
-    "requests": "OTLP export requests received",
+    "requests": "OTLP export requests received (HTTP and gRPC)",
+    "grpc_requests": "OTLP/gRPC export requests received",
     "spans": "spans Kafka acknowledged (training and evaluation topics)",
     "orphan_spans": "spans without a rollout id sent to orphan-spans",
     "rewards": "rewards Kafka acknowledged (from spans and POST /v1/rewards)",
@@ -98,10 +104,26 @@ class InflightBuffer:
         self.used -= n
 
 
-class RewardIn(BaseModel):
-    """POST /v1/rewards body: a reward from an evaluator that is not OTel-instrumented."""
+#: reason codes of decode_request's OtlpError statuses
+OTLP_REASONS = {400: "invalid_otlp", 413: "body_too_large", 415: "unsupported_encoding"}
 
-    rollout_id: str = Field(min_length=1)
+
+def decode(body: bytes, content_encoding: str | None, max_body_bytes: int,
+           content_type: str = PROTOBUF) -> ExportTraceServiceRequest:
+    """:func:`~spanrl.producers.otlp.decode_request`, its OtlpError as a
+    :class:`~spanrl.producers.edge.BadRequest` with the reason of :data:`OTLP_REASONS` (what
+    both the HTTP route and the gRPC method answer)."""
+    try:
+        return decode_request(body, content_encoding, max_body_bytes, content_type)
+    except OtlpError as exc:
+        raise BadRequest(exc.status, OTLP_REASONS.get(exc.status, "invalid_otlp"), exc.detail) from None
+
+
+class RewardIn(BaseModel):
+    """POST /v1/rewards body: a reward from an evaluator that is not OTel-instrumented
+    (``rollout_id`` / ``attempt_id``: the limits of producers/ids.py, checked by the route)."""
+
+    rollout_id: str
     attempt_id: str = "0"
     value: float
     final: bool = True
@@ -130,8 +152,11 @@ def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
 
 def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: SecretStr | str | None = None,
                max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT, claim_client=None,
-               payload_bucket: str | None = None, eval_topics: Topics | None = None) -> FastAPI:
+               payload_bucket: str | None = None, eval_topics: Topics | None = None,
+               grpc_address: str | None = None) -> FastAPI:
     """The bridge app writing through ``sink``; ``auth_token`` (None: open) see producers/edge.py.
+    ``grpc_address``: ``host:port`` of the OTLP/gRPC receiver the app starts in its lifespan
+    (producers/otlp_grpc.py; port 0: a free one, in ``app.state.grpc_port``); None: none.
     ``eval_topics``: where spans stamped ``spanrl.record_to=eval`` (evaluation episodes) and
     their rewards and dead letters go (default ``Topics.evaluation()``); nothing trains on them.
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
@@ -152,11 +177,20 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             await sink.start()
         except KafkaUnavailable as exc:  # keep serving; requests answer 503 until Kafka is back
             log.warning("%s", exc)
-        yield
-        await sink.stop()
+        server = None
+        if grpc_address is not None:  # an address that cannot be bound stops the start-up
+            server, app.state.grpc_port = await otlp_grpc.start(grpc_address, grpc_export, metrics, auth_token,
+                                                                max_body_bytes)
+        try:
+            yield
+        finally:
+            if server is not None:
+                await server.stop(grace=2)
+            await sink.stop()
 
     app = FastAPI(title="spanrl OTLP bridge", lifespan=lifespan)
     app.state.metrics = metrics
+    app.state.grpc_port = None
     registry = prom.registry(lambda: [
         *prom.count_families("bridge", metrics, PLAIN_COUNTERS),
         prom.gauge("spanrl_bridge_inflight_bytes", "encoded bytes waiting for Kafka's acks", inflight.used),
@@ -174,21 +208,82 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
     edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
     edge.install_error_handlers(app, error)
 
-    async def produce(items: list[tuple]) -> Response | None:
-        """Send encoded ``items`` and wait for the acks; an error response, or None when acked."""
+    def refused(exc: BadRequest) -> Response:
+        return error(exc.status, exc.reason, exc.detail, exc.headers)
+
+    async def produce(items: list[tuple]) -> None:
+        """Send encoded ``items`` and wait for the acks; :class:`BadRequest` 503 (+ Retry-After)
+        when the in-flight buffer is full or Kafka did not ack."""
         size = sum(len(v) + len(k or "") for _, k, v in items)
         if not inflight.try_reserve(size):
-            return error(503, "buffer_full", f"{inflight.used} of {inflight.max_bytes} bytes wait for Kafka; "
-                         f"this request needs {size}", {"Retry-After": BUFFER_RETRY_AFTER_S})
+            raise BadRequest(503, "buffer_full", f"{inflight.used} of {inflight.max_bytes} bytes wait for Kafka; "
+                             f"this request needs {size}", headers={"Retry-After": BUFFER_RETRY_AFTER_S})
         try:
             t0 = time.perf_counter()
             await sink.produce_raw(items)
             ack_s.observe(time.perf_counter() - t0)
         except KafkaUnavailable as exc:
-            return error(503, "kafka_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
+            raise BadRequest(503, "kafka_unavailable", str(exc), headers={"Retry-After": RETRY_AFTER_S}) from None
         finally:
             inflight.release(size)
-        return None
+
+    async def export(req: ExportTraceServiceRequest) -> ExportTraceServiceResponse:
+        """Every span of a decoded export to Kafka (spans, rewards, orphans, dead letters) and
+        the answer, once Kafka acked all of it: what OTLP/HTTP (both encodings) and OTLP/gRPC
+        share. Raises :class:`BadRequest` 503 (claim store, buffer full, Kafka)."""
+        items: list[tuple] = []
+        rejected: Counter[str] = Counter()
+        for c in convert_request(req):
+            topics = eval_topics if c.record_to == "eval" else train_topics
+            if c.span is not None:
+                # an orphan (no rollout id) waits on orphan-spans, keyed by its trace id, for the
+                # stream app to join it to the rollout of a proxy call of that trace
+                spans, key = (topics.orphan_spans, c.span["trace_id"]) if c.orphan else (topics.spans, c.rollout_id)
+                try:
+                    value = codec.encode(spans.record, c.span)
+                    if not claims.fits(len(value), spans.max_message_bytes):
+                        try:  # claim-check: the record goes to MinIO, a small span with its ref to Kafka
+                            value = await claims.check_in(claim_client, payload_bucket, spans, key, c.span, value)
+                        except claims.ClaimStoreUnavailable as exc:
+                            raise BadRequest(503, "claim_store_unavailable", str(exc),
+                                             headers={"Retry-After": RETRY_AFTER_S}) from None
+                        metrics["claims"] += 1
+                    if not claims.fits(len(value), spans.max_message_bytes):
+                        c = Converted(c.rollout_id, dead_reason="oversize", raw=b"", record_to=c.record_to,
+                                      dead_detail=f"span claim record {len(value)} bytes > "
+                                                  f"{spans.max_message_bytes - claims.CLAIM_MARGIN_BYTES}")
+                    else:
+                        items.append((spans, key, value))
+                        if c.reward is not None:
+                            items.append((topics.rewards, c.rollout_id, codec.encode(topics.rewards.record, c.reward)))
+                except codec.SchemaError as exc:
+                    c = Converted(c.rollout_id, dead_reason=exc.reason, dead_detail=exc.detail, raw=c.raw,
+                                  record_to=c.record_to)
+            if c.dead_reason is not None:
+                rejected[c.dead_reason] += 1
+                items.append((topics.dead_letter, c.rollout_id, codec.encode(topics.dead_letter.record, _dead_letter(c))))
+        await produce(items)
+        n_spans = sum(1 for t, _, _ in items if t in (train_topics.spans, eval_topics.spans))
+        metrics["spans"] += n_spans
+        metrics["orphan_spans"] += sum(1 for t, _, _ in items if t == train_topics.orphan_spans)
+        metrics["rewards"] += sum(1 for t, _, _ in items if t in (train_topics.rewards, eval_topics.rewards))
+        for reason, n in rejected.items():
+            metrics[f"dead_letter.{reason}"] += n
+        resp = ExportTraceServiceResponse()
+        if rejected:
+            resp.partial_success.CopyFrom(ExportTracePartialSuccess(
+                rejected_spans=sum(rejected.values()),
+                error_message="dead-lettered: " + ", ".join(f"{k}={v}" for k, v in sorted(rejected.items()))))
+        return resp
+
+    async def grpc_export(body: bytes) -> bytes:
+        """The OTLP/gRPC method (producers/otlp_grpc.py): bytes of an ExportTraceServiceRequest
+        (gRPC already undid its compression) -> the response's bytes. Raises BadRequest."""
+        metrics["requests"] += 1
+        if len(body) > max_body_bytes:
+            raise BadRequest(413, "body_too_large", f"message of {len(body)} bytes (decompressed) "
+                             f"over {max_body_bytes} bytes")
+        return (await export(decode(body, None, max_body_bytes))).SerializeToString()
 
     @app.post("/v1/traces")
     async def traces(request: Request) -> Response:
@@ -206,61 +301,20 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             if len(body) > max_body_bytes:
                 return error(413, "body_too_large", f"body over {max_body_bytes} bytes")
         try:
-            req = decode_request(bytes(body), request.headers.get("content-encoding"), max_body_bytes, ctype)
-        except OtlpError as exc:
-            reason = {400: "invalid_otlp", 413: "body_too_large", 415: "unsupported_encoding"}.get(exc.status, "invalid_otlp")
-            return error(exc.status, reason, exc.detail)
-
-        items: list[tuple] = []
-        rejected: Counter[str] = Counter()
-        for c in convert_request(req):
-            topics = eval_topics if c.record_to == "eval" else train_topics
-            if c.span is not None:
-                # an orphan (no rollout id) waits on orphan-spans, keyed by its trace id, for the
-                # stream app to join it to the rollout of a proxy call of that trace
-                spans, key = (topics.orphan_spans, c.span["trace_id"]) if c.orphan else (topics.spans, c.rollout_id)
-                try:
-                    value = codec.encode(spans.record, c.span)
-                    if not claims.fits(len(value), spans.max_message_bytes):
-                        try:  # claim-check: the record goes to MinIO, a small span with its ref to Kafka
-                            value = await claims.check_in(claim_client, payload_bucket, spans, key, c.span, value)
-                        except claims.ClaimStoreUnavailable as exc:
-                            return error(503, "claim_store_unavailable", str(exc), {"Retry-After": RETRY_AFTER_S})
-                        metrics["claims"] += 1
-                    if not claims.fits(len(value), spans.max_message_bytes):
-                        c = Converted(c.rollout_id, dead_reason="oversize", raw=b"", record_to=c.record_to,
-                                      dead_detail=f"span claim record {len(value)} bytes > "
-                                                  f"{spans.max_message_bytes - claims.CLAIM_MARGIN_BYTES}")
-                    else:
-                        items.append((spans, key, value))
-                        if c.reward is not None:
-                            items.append((topics.rewards, c.rollout_id, codec.encode(topics.rewards.record, c.reward)))
-                except codec.SchemaError as exc:
-                    c = Converted(c.rollout_id, dead_reason=exc.reason, dead_detail=exc.detail, raw=c.raw,
-                                  record_to=c.record_to)
-            if c.dead_reason is not None:
-                rejected[c.dead_reason] += 1
-                items.append((topics.dead_letter, c.rollout_id, codec.encode(topics.dead_letter.record, _dead_letter(c))))
-        failed = await produce(items)
-        if failed is not None:
-            return failed
-        n_spans = sum(1 for t, _, _ in items if t in (train_topics.spans, eval_topics.spans))
-        metrics["spans"] += n_spans
-        metrics["orphan_spans"] += sum(1 for t, _, _ in items if t == train_topics.orphan_spans)
-        metrics["rewards"] += sum(1 for t, _, _ in items if t in (train_topics.rewards, eval_topics.rewards))
-        for reason, n in rejected.items():
-            metrics[f"dead_letter.{reason}"] += n
-        resp = ExportTraceServiceResponse()
-        if rejected:
-            resp.partial_success.CopyFrom(ExportTracePartialSuccess(
-                rejected_spans=sum(rejected.values()),
-                error_message="dead-lettered: " + ", ".join(f"{k}={v}" for k, v in sorted(rejected.items()))))
+            resp = await export(decode(bytes(body), request.headers.get("content-encoding"), max_body_bytes, ctype))
+        except BadRequest as exc:
+            return refused(exc)
         if ctype == JSON:  # proto3 JSON: {} or {"partialSuccess": {"rejectedSpans": "1", "errorMessage": ...}}
             return JSONResponse(json_format.MessageToDict(resp), 200)
         return Response(resp.SerializeToString(), 200, media_type=PROTOBUF)
 
     @app.post("/v1/rewards")
     async def rewards(reward: RewardIn) -> Response:
+        try:
+            ids.check(ids.ROLLOUT, reward.rollout_id, "rollout_id")
+            ids.check(ids.ATTEMPT, reward.attempt_id, "attempt_id")
+        except BadRequest as exc:
+            return refused(exc)
         if not math.isfinite(reward.value) or not all(math.isfinite(v) for v in reward.components.values()):
             return error(400, "invalid_reward", "value and components must be finite numbers")
         record = reward.model_dump()
@@ -269,9 +323,10 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             value = codec.encode(train_topics.rewards.record, record)
         except codec.SchemaError as exc:  # RewardIn passed, so not expected; never a 500 though
             return error(400, exc.reason, exc.detail)
-        failed = await produce([(train_topics.rewards, reward.rollout_id, value)])
-        if failed is not None:
-            return failed
+        try:
+            await produce([(train_topics.rewards, reward.rollout_id, value)])
+        except BadRequest as exc:
+            return refused(exc)
         metrics["rewards"] += 1
         return JSONResponse({"status": "ok"})
 
@@ -281,27 +336,32 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
         conversation is over); the stream job then finishes it as a runner's."""
         end = end or RolloutEndIn()
         try:
-            production.checked_id("rollout_id", rollout_id)
-        except edge.BadRequest as exc:
-            return error(exc.status, exc.reason, exc.detail)
+            ids.check(ids.ROLLOUT, rollout_id, "rollout_id")
+            ids.check(ids.ATTEMPT, end.attempt_id, "attempt_id")
+            if end.task_id:  # "": the task of its calls
+                ids.check(ids.TASK, end.task_id, "task_id")
+        except BadRequest as exc:
+            return refused(exc)
         value = codec.encode(train_topics.rollouts.record, {
             "rollout_id": rollout_id, "attempt_id": end.attempt_id, "task_id": end.task_id,
             "status": end.status, "group_size": end.group_size, "runner_id": "bridge",
             "timestamp_ms": now_ms(), "error": end.error})
-        failed = await produce([(train_topics.rollouts, rollout_id, value)])
-        if failed is not None:
-            return failed
+        try:
+            await produce([(train_topics.rollouts, rollout_id, value)])
+        except BadRequest as exc:
+            return refused(exc)
         metrics["rollout_ends"] += 1
         return JSONResponse({"status": "ok", "rollout_id": rollout_id})
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "kafka_producer_started": sink.started}
+        return {"status": "ok", "kafka_producer_started": sink.started, "grpc_port": app.state.grpc_port}
 
     @app.get("/status")
     async def status() -> dict:
-        """The counters as JSON (``http_<status>``, reasons, ``dead_letter.<reason>``, ...)."""
-        return {**metrics, "inflight_bytes": inflight.used, "max_inflight_bytes": inflight.max_bytes}
+        """The counters as JSON (``http_<status>``, ``grpc_<CODE>``, reasons, ``dead_letter.<reason>``, ...)."""
+        return {**metrics, "inflight_bytes": inflight.used, "max_inflight_bytes": inflight.max_bytes,
+                "grpc_port": app.state.grpc_port}
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -318,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default=s.host)
     p.add_argument("--port", type=int, default=s.bridge_port)
+    p.add_argument("--grpc-port", type=int, default=s.bridge_grpc_port,
+                   help="OTLP/gRPC port (SPANRL_BRIDGE_GRPC_PORT); 0: no gRPC receiver")
     p.add_argument("--kafka-bootstrap", default=s.kafka_bootstrap)
     p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
@@ -327,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
     eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.max_body_bytes,
-                     auth_token=s.auth_token, max_inflight_bytes=a.max_inflight_bytes, eval_topics=eval_topics)
+                     auth_token=s.auth_token, max_inflight_bytes=a.max_inflight_bytes, eval_topics=eval_topics,
+                     grpc_address=f"{a.host}:{a.grpc_port}" if a.grpc_port else None)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

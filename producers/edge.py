@@ -27,11 +27,15 @@ OPEN_ROUTES = frozenset({("GET", "/health")})
 
 class BadRequest(ValueError):
     """A client request a service refuses: HTTP ``status``, an OpenAI error ``reason`` (its
-    ``type``) and, when one request field is to blame, that field as ``param``."""
+    ``type``) and, when one request field is to blame, that field as ``param``; ``headers``
+    of the answer (``Retry-After`` of a 503: the refusal is the service's state, not the
+    request's, and a retry may pass)."""
 
-    def __init__(self, status: int, reason: str, detail: str, param: str | None = None):
+    def __init__(self, status: int, reason: str, detail: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(detail)
         self.status, self.reason, self.detail, self.param = status, reason, detail, param
+        self.headers = headers
 
 
 def token_value(token: SecretStr | str | None) -> str | None:

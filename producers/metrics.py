@@ -33,6 +33,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _STATUS = re.compile(r"^http_(\d{3})$")
 _VLLM_STATUS = re.compile(r"^vllm_http_(\d{3})$")
+_GRPC_STATUS = re.compile(r"^grpc_([A-Z_]+)$")
 _DEAD = "dead_letter."
 
 
@@ -46,6 +47,8 @@ def count_families(service: str, counts: Mapping[str, int | float], plain: Mappi
     - ``http_<status>`` -> ``spanrl_<service>_error_responses_total{status}``;
     - ``vllm_http_<status>`` -> ``spanrl_<service>_vllm_errors_total{status}`` (vLLM's
       non-200 answers, passed on to the client as they are);
+    - ``grpc_<CODE>`` (a gRPC status code name, upper case: ``grpc_UNAUTHENTICATED``) ->
+      ``spanrl_<service>_grpc_errors_total{code}`` (the bridge's OTLP/gRPC refusals);
     - ``dead_letter.<reason>`` -> ``spanrl_<service>_dead_letters_total{reason}``;
     - any other key is a refusal reason (``error()`` counts ``http_<status>`` and its
       reason; a stream's recording failure counts its reason) ->
@@ -60,6 +63,7 @@ def count_families(service: str, counts: Mapping[str, int | float], plain: Mappi
     errors = CounterMetricFamily(f"{prefix}_error_responses", "error responses by HTTP status", labels=["status"])
     vllm = CounterMetricFamily(f"{prefix}_vllm_errors", "vLLM's non-200 answers by HTTP status", labels=["status"])
     dead = CounterMetricFamily(f"{prefix}_dead_letters", "records dead-lettered by reason code", labels=["reason"])
+    grpc = CounterMetricFamily(f"{prefix}_grpc_errors", "gRPC error answers by status code", labels=["code"])
     refusals = CounterMetricFamily(f"{prefix}_refusals", "requests refused, by reason code", labels=["reason"])
     for key in sorted(counts):
         value = counts[key]
@@ -69,11 +73,13 @@ def count_families(service: str, counts: Mapping[str, int | float], plain: Mappi
             errors.add_metric([m.group(1)], float(value))
         elif m := _VLLM_STATUS.match(key):
             vllm.add_metric([m.group(1)], float(value))
+        elif m := _GRPC_STATUS.match(key):
+            grpc.add_metric([m.group(1)], float(value))
         elif key.startswith(_DEAD):
             dead.add_metric([key[len(_DEAD):]], float(value))
         else:
             refusals.add_metric([key], float(value))
-    return out + [errors, vllm, dead, refusals]
+    return out + [errors, vllm, grpc, dead, refusals]
 
 
 def labelled_counter(name: str, text: str, label: str, counts: Mapping[str, int | float]) -> CounterMetricFamily:

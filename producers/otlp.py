@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
+from spanrl.producers import ids, production
 from spanrl.producers import instrument as keys
 
 #: the OTLP/HTTP media types (OTLP spec, "OTLP/HTTP": "Binary Protobuf Encoding", "JSON
@@ -413,10 +414,28 @@ def orphan_refusal(trace_id: bytes, kind: str, record_to: object) -> str | None:
     return None
 
 
+def id_refusal(rollout_id: str, attempt_id: str, task_id: object) -> tuple[str, str] | None:
+    """(what, why) when a span's ids break the limits of producers/ids.py, else None:
+    ``rollout_id`` (``spanrl.rollout_id``; ``""``: an orphan, not checked), ``attempt_id``
+    (``spanrl.attempt_id`` as text; not checked for an orphan) and ``task_id`` (the
+    ``spanrl.task_id`` attribute a production call carries, producers/production.py; None:
+    absent, anything else as :func:`stringify` writes it into the record). ``what`` is
+    ``"rollout"`` when the rollout id itself is bad (the dead letter cannot be keyed by
+    it), else ``"attempt"`` / ``"task"``. Pure."""
+    checks = [(ids.TASK, production.TASK_ID, None if task_id is None else stringify(task_id))]
+    if rollout_id:
+        checks = [(ids.ROLLOUT, keys.ROLLOUT_ID, rollout_id), (ids.ATTEMPT, keys.ATTEMPT_ID, attempt_id), *checks]
+    for kind, key, value in checks:
+        why = None if value is None else ids.problem(kind, value)
+        if why is not None:
+            return kind, f"{key} {why}"
+    return None
+
+
 def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
     """One OTLP span -> Span record (+ Reward for a reward span), an orphan Span record
     (no rollout id, a valid trace id: :func:`orphan_refusal`; ``Converted.orphan``) or a
-    dead-letter reason."""
+    dead-letter reason (``invalid_id``: :func:`id_refusal`)."""
     attrs = {kv.key: any_value(kv.value) for kv in pb.attributes}
     attrs = {**exception_attributes(pb), **attrs}  # the span's own attributes win
     raw = pb.SerializeToString()
@@ -437,6 +456,12 @@ def convert_span(pb: PbSpan, resource_attrs: dict[str, object]) -> Converted:
     else:
         attempt = lookup(keys.ATTEMPT_ID)
         attempt_id = "0" if attempt is None else (attempt if isinstance(attempt, str) else stringify(attempt))
+    bad_id = id_refusal(rollout_id, attempt_id, lookup(production.TASK_ID))
+    if bad_id is not None:  # never a Kafka key: the dead letter of a bad rollout id has none
+        what, why = bad_id
+        return Converted(None if what == ids.ROLLOUT else rollout_id or None, dead_reason=ids.INVALID_ID,
+                         dead_detail=f"span {pb.name!r}: {why}", raw=raw,
+                         record_to=record_to if record_to == "eval" else None)
     seq = _as_int(lookup(keys.SEQUENCE_ID))
     agent = span_agent_name(attrs, resource_attrs)
     llm = llm_from_attrs(attrs, pb.span_id.hex()) if kind == "llm" else None

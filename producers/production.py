@@ -24,19 +24,19 @@ Pure: no FastAPI, no Kafka.
 """
 from __future__ import annotations
 
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from spanrl.producers import ids
 from spanrl.producers.edge import BadRequest
 
 ROLLOUT_HEADER = "x-spanrl-rollout-id"
 TASK_HEADER = "x-spanrl-task"
 GROUP_SIZE_HEADER = "x-spanrl-group-size"
 PRODUCTION_ATTEMPT = "0"
-MAX_ID_CHARS = 128
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+#: reason code of a bad ``x-spanrl-*`` header (its value's limits: producers/ids.py)
+INVALID_HEADER = "invalid_rollout_header"
 
 # span attributes the proxy writes and the assembler reads
 ORIGIN = "spanrl.origin"
@@ -57,26 +57,19 @@ def mint_rollout_id() -> str:
     return "prod-" + secrets.token_hex(16)
 
 
-def checked_id(header: str, value: str) -> str:
-    if len(value) > MAX_ID_CHARS or not _ID.fullmatch(value):
-        raise BadRequest(400, "invalid_rollout_header",
-                         f"{header} must be 1-{MAX_ID_CHARS} characters of A-Z a-z 0-9 . _ : / - "
-                         "starting with a letter or digit", param=header)
-    return value
-
-
 def production_rollout(headers: Mapping[str, str], mint: Callable[[], str] = mint_rollout_id) -> ProductionRollout:
     """The rollout of one call on the plain ``/v1`` routes, from its request headers (names
     lower-case, as Starlette gives them): see the module doc. Raises :class:`BadRequest` 400
-    ``invalid_rollout_header`` for an id or task label that is empty, longer than
-    :data:`MAX_ID_CHARS` or has other characters, or a group size that is not an integer >= 1."""
+    :data:`INVALID_HEADER` naming the header for a rollout id or task label outside the
+    limits of producers/ids.py (empty, over ``ids.MAX_ID_CHARS``, other characters), or a
+    group size that is not an integer >= 1."""
     sent = headers.get(ROLLOUT_HEADER)
-    rollout_id = checked_id(ROLLOUT_HEADER, sent.strip()) if sent is not None else mint()
+    rollout_id = ids.check(ids.ROLLOUT, sent.strip(), ROLLOUT_HEADER, INVALID_HEADER) if sent is not None else mint()
     task = headers.get(TASK_HEADER)
-    task_id = checked_id(TASK_HEADER, task.strip()) if task is not None else rollout_id
+    task_id = ids.check(ids.TASK, task.strip(), TASK_HEADER, INVALID_HEADER) if task is not None else rollout_id
     size = headers.get(GROUP_SIZE_HEADER, "1").strip()
     if not size.isdigit() or int(size) < 1:
-        raise BadRequest(400, "invalid_rollout_header",
+        raise BadRequest(400, INVALID_HEADER,
                          f"{GROUP_SIZE_HEADER} must be an integer >= 1, got {size!r}", param=GROUP_SIZE_HEADER)
     return ProductionRollout(rollout_id, task_id, int(size), sent is None)
 

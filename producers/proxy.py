@@ -59,7 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, messages, production, responses, seeding, streaming
+from spanrl.producers import claims, edge, ids, messages, production, responses, seeding, streaming
 from spanrl.producers import metrics as prom
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
@@ -461,6 +461,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
+            ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (producers/ids.py)
+            ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
             body = client_body = parse_body(request.headers.get("content-type"), await request.body())
             if api == responses.RESPONSES:
                 metrics["responses_requests"] += 1

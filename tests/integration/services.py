@@ -32,7 +32,11 @@ def free_port() -> int:
 
 def start_service(module: str, *args: str, env: dict | None = None, output: Path | None = None,
                   timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
-    """``python -m module --port P *args`` with ``env`` added; stdout+stderr to ``output``."""
+    """``python -m module --port P *args`` with ``env`` added; stdout+stderr to ``output``. A
+    bridge runs without its OTLP/gRPC receiver unless ``args`` name a ``--grpc-port`` (the
+    default port is the stack's bridge's, and a second bind of it fails)."""
+    if module.endswith(".bridge") and "--grpc-port" not in args:
+        args = ("--grpc-port", "0", *args)
     port = free_port()
     out = open(output, "wb") if output else None
     proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT,

@@ -390,7 +390,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
     minio.put_object(bucket, altered_key, io.BytesIO(b"something else"), 14)
     web_port, bridge_port = _free_port(), _free_port()
     bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
-                               "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
+                               "--grpc-port", "0", "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
                               stdout=open(tmp_path / "bridge.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)
     worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log")
@@ -414,7 +414,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
         # MinIO unreachable: the oversize span is refused with 503 + Retry-After, nothing produced
         stop_process_group(bridge, grace_s=10)
         bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
-                                   "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
+                                   "--grpc-port", "0", "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
                                   env={**os.environ, "SPANRL_MINIO_PORT": "1"},
                                   stdout=open(tmp_path / "bridge2.log", "wb"), stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -533,7 +533,10 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
 
 
 def _start_service(module: str, port: int, prefix: str, log_path: Path, *args: str) -> subprocess.Popen:
-    """``python -m module`` (the bridge or the proxy) on ``port`` writing to ``prefix``-ed topics."""
+    """``python -m module`` (the bridge or the proxy) on ``port`` writing to ``prefix``-ed topics;
+    the bridge without its gRPC receiver (its port is the stack's bridge's)."""
+    if module.endswith(".bridge"):
+        args = ("--grpc-port", "0", *args)
     return subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--topic-prefix", prefix, *args],
                             cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 

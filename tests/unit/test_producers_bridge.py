@@ -65,9 +65,9 @@ def test_bad_input_answers_and_counters(client):
          400, "invalid_reward"),
         (rewards, {"content": b'{"rollout_id": "r", "value": 1.0, "components": {"c": -Infinity}}',
                    "headers": {"content-type": "application/json"}}, 400, "invalid_reward"),
-        # JSON "\ud800" is a lone surrogate: pydantic refuses it (and the 422 must not echo it)
+        # JSON "\ud800" is a lone surrogate: not a rollout id (producers/ids.py; the 400 must not echo it raw)
         (rewards, {"content": b'{"rollout_id": "\\ud800", "value": 1.0}', "headers": {"content-type": "application/json"}},
-         422, "invalid_request"),
+         400, "invalid_id"),
         (rewards, {"content": b'{"rollout_id": "r", "value": 1.0', "headers": {"content-type": "application/json"}},
          422, "invalid_request"),
         (rewards, {"content": b'{"rollout_id": "\xff\xfe", "value": 1.0}', "headers": {"content-type": "application/json"}},
@@ -82,9 +82,10 @@ def test_bad_input_answers_and_counters(client):
         assert r.json()["error"] == reason
     m = client.get("/status").json()
     assert {k: m[k] for k in ("http_400", "http_415", "http_422", "invalid_otlp", "unsupported_media_type",
-                              "unsupported_encoding", "invalid_reward", "invalid_request", "invalid_json")} == {
-        "http_400": 7, "http_415": 2, "http_422": 4, "invalid_otlp": 3, "unsupported_media_type": 1,
-        "unsupported_encoding": 1, "invalid_reward": 3, "invalid_request": 4, "invalid_json": 1}
+                              "unsupported_encoding", "invalid_reward", "invalid_request", "invalid_json",
+                              "invalid_id")} == {
+        "http_400": 8, "http_415": 2, "http_422": 3, "invalid_otlp": 3, "unsupported_media_type": 1,
+        "unsupported_encoding": 1, "invalid_reward": 3, "invalid_request": 3, "invalid_json": 1, "invalid_id": 1}
     assert (m["inflight_bytes"], m["max_inflight_bytes"]) == (0, 64 << 20)
     assert "spans" not in m and "rewards" not in m
 
@@ -147,7 +148,7 @@ def test_rollout_end_is_a_terminal_lifecycle_event_on_rollouts():
     assert (plain.status_code, plain.json()) == (200, {"status": "ok", "rollout_id": "chat-1"})
     assert failed.status_code == 200
     assert [(r.status_code, r.json()["error"]) for r in bad] == [
-        (422, "invalid_request"), (422, "invalid_request"), (400, "invalid_rollout_header")]
+        (422, "invalid_request"), (422, "invalid_request"), (400, "invalid_id")]
     assert [(topic, key) for topic, key, _ in sink.sent] == [("t-rollouts", "chat-1"), ("t-rollouts", "chat-2")]
     events = [codec.decode("rollout", v) for _, _, v in sink.sent]
     assert [(e["rollout_id"], e["attempt_id"], e["task_id"], e["status"], e["group_size"], e["runner_id"], e["error"])
