@@ -90,22 +90,23 @@ else
   log "Chromium + chromedriver installed ($(/usr/bin/chromium --version 2>/dev/null | head -1))"
 fi
 
-# --- Node packages of the JavaScript OTLP/JSON exporter test ---------------------
+# --- Node packages: the JavaScript OTLP/JSON exporter test and the Node agent example --
 # tests/integration/test_otlp_json_node.py runs the OpenTelemetry JS SDK's default exporter
-# (OTLP/JSON) against the stack's bridge; `npm ci` installs the pinned packages from the npm
-# registry into the fixture's node_modules (ignored by git; npm's own cache makes a fresh
+# (OTLP/JSON) against the stack's bridge, tests/integration/test_node_agent.py the Node agent of
+# examples/node_agent (openai-node + the JS SDK); `npm ci` installs each one's pinned packages
+# from the npm registry into its node_modules (ignored by git; npm's own cache makes a fresh
 # clone's install quick).
-js="$root/tests/fixtures/otlp_json_js"
-if command -v npm >/dev/null; then
-  if [ ! -f "$js/node_modules/.package-lock.json" ] || [ "$js/package-lock.json" -nt "$js/node_modules/.package-lock.json" ]; then
-    log "Node packages for the OTLP/JSON exporter test (npm ci in tests/fixtures/otlp_json_js)"
+for js in "$root/tests/fixtures/otlp_json_js" "$root/examples/node_agent"; do
+  rel="${js#$root/}"
+  if ! command -v npm >/dev/null; then
+    log "WARNING: npm not found: the Node tests of $rel will fail (install Node.js 20 with npm)"
+  elif [ ! -f "$js/node_modules/.package-lock.json" ] || [ "$js/package-lock.json" -nt "$js/node_modules/.package-lock.json" ]; then
+    log "Node packages (npm ci in $rel)"
     (cd "$js" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
   else
-    log "Node packages for the OTLP/JSON exporter test installed"
+    log "Node packages of $rel installed"
   fi
-else
-  log "WARNING: npm not found: tests/integration/test_otlp_json_node.py will fail (install Node.js 20 with npm)"
-fi
+done
 
 # --- Base model ------------------------------------------------------------------
 log "Base model (SmolLM2-135M-Instruct safetensors)"
