@@ -135,7 +135,8 @@ def test(
     stack = _fresh_run("test")
     _up_or_exit(stack)
     try:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-ra", *(pytest_args or ["tests"])],
+        # --durations: the CI log names the slowest tests (the suite's time budget is ~35 min)
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-ra", "--durations=30", *(pytest_args or ["tests"])],
                              env={**__import__("os").environ, **stack.service_env()})
     finally:
         if not keep_up:

@@ -439,27 +439,44 @@ async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack,
 
 # ---- policy-version labels across vLLM and proxy restarts (needs vLLM) -----------------
 
-async def _spans(topic: str, rollout_id: str) -> list[dict]:
+async def _spans(topic: str, rollout_id: str, at_least: int = 0, timeout_s: float = 30.0) -> list[dict]:
+    """The rollout's span records on ``topic`` (read_committed, from the beginning); read again
+    until there are ``at_least`` of them or ``timeout_s`` passed (what was read is returned
+    either way: the caller asserts). Fails if the topic's partitions never show up."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from spanrl.schemas.codec import decode
     from spanrl.trainer.train import _partitions
 
-    c = AIOKafkaConsumer(bootstrap_servers=get_settings().kafka_bootstrap, group_id=None,
-                         isolation_level="read_committed", enable_auto_commit=False)
-    await c.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in await _partitions(c, topic)]
-        c.assign(tps)
-        end = await c.end_offsets(tps)
-        await c.seek_to_beginning(*tps)
-        out = []
-        while any([await c.position(t) < end[t] for t in tps]):
-            for msgs in (await c.getmany(timeout_ms=1000)).values():
-                out += [decode("span", m.value) for m in msgs]
-        return [x for x in out if x["rollout_id"] == rollout_id]
-    finally:
-        await c.stop()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        c = AIOKafkaConsumer(bootstrap_servers=get_settings().kafka_bootstrap, group_id=None,
+                             isolation_level="read_committed", enable_auto_commit=False)
+        await c.start()
+        try:
+            parts = await _partitions(c, topic)
+            assert parts, f"no partitions for {topic}"
+            tps = [TopicPartition(topic, p) for p in parts]
+            c.assign(tps)
+            end = await c.end_offsets(tps)
+            await c.seek_to_beginning(*tps)
+            out = []
+            while any([await c.position(t) < end[t] for t in tps]):
+                for msgs in (await c.getmany(timeout_ms=1000)).values():
+                    out += [decode("span", m.value) for m in msgs]
+        finally:
+            await c.stop()
+        mine = [x for x in out if x["rollout_id"] == rollout_id]
+        if len(mine) >= at_least or time.monotonic() > deadline:
+            return mine
+        await asyncio.sleep(1.0)
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) != 0
 
 
 async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, light_stack, scratch_run):
@@ -499,10 +516,14 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
         await _wait_for("the reloader to serve v1", lambda: rl.vllm_synced and rl.served_version == 1, 300)
 
         # (a) a proxy started now asks the reloader: v1, not 0
+        # the stack's proxy has gone (stop waits for it): this test's proxy must be the one
+        # answering on the port, or its calls would be recorded to the stack's topics
+        await _wait_for(f"port {s.proxy_port} to be free", lambda: _port_free(s.host, s.proxy_port), 30)
+        proxy_log = tmp_path / "proxy.log"
         proxy = subprocess.Popen([sys.executable, "-m", "spanrl.producers.proxy", "--port", str(s.proxy_port),
                                   "--topic-prefix", f"trlabel-{tag}-", "--vllm-url", s.vllm_url,
                                   "--reloader-url", f"http://{s.host}:{s.reloader_port}"], cwd=ROOT,
-                                 start_new_session=True)
+                                 stdout=proxy_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
         async with httpx.AsyncClient(timeout=120) as http:
             async def proxy_state() -> dict:
                 try:
@@ -513,6 +534,7 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
             deadline = time.monotonic() + 60
             while not (await proxy_state()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
+            assert proxy.poll() is None, proxy_log.read_text()[-3000:]
             assert (await proxy_state())["version"] == 1 and (await proxy_state())["synced"] is True
             assert (await http.post(chat_url, json=body)).status_code == 200
 
@@ -554,8 +576,10 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
             assert [st for t, st in answers if t < reapplied_ms and st == 200] == [], answers
             assert 200 in [st for _, st in answers], answers
             assert (await http.post(chat_url, json=body)).status_code == 200
-        spans = await _spans(topics.spans.name, run)
-        assert len(spans) >= 3 and {sp["llm"]["policy_version"] for sp in spans} == {1}
+            assert proxy.poll() is None, proxy_log.read_text()[-3000:]
+        spans = await _spans(topics.spans.name, run, at_least=3)
+        assert len(spans) >= 3, (len(spans), proxy_log.read_text()[-3000:])
+        assert {sp["llm"]["policy_version"] for sp in spans} == {1}
     finally:
         if proxy is not None:
             os.killpg(proxy.pid, signal.SIGTERM)
