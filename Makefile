@@ -3,6 +3,11 @@
 CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
 PY := $(CACHE)/venv/bin/python
 export SPANRL_CACHE_DIR := $(CACHE)
+# MODEL=qwen2.5-coder-0.5b (any target): the base policy (infra/model.py's MODELS), prepared by
+# bootstrap and served, trained and evaluated by the rest; default smollm2-135m
+ifdef MODEL
+export SPANRL_MODEL := $(MODEL)
+endif
 
 .PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate chaos
 

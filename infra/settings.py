@@ -58,7 +58,11 @@ class Settings(BaseSettings):
 
     #: served model name at vLLM and in spans
     model_name: str = "policy"
-    #: directory of the base model (safetensors); default: the converted SmolLM2 in the cache
+    #: the base policy, one of infra/model.py's MODELS (``smollm2-135m`` | ``qwen2.5-coder-0.5b``):
+    #: it decides the cache directory of its converted weights, vLLM's chat template and
+    #: tool-call parser (unless set below); ``make bootstrap`` prepares the chosen one
+    model: str = "smollm2-135m"
+    #: directory of the base model (safetensors); default: the chosen model converted in the cache
     base_model_dir: Path | None = None
     run: str = "default"
     #: the run seed: every rollout's sampling seed is derived from it, the task, the rollout's
@@ -68,12 +72,13 @@ class Settings(BaseSettings):
     seed: int | None = 0
     #: vLLM's ``--tool-call-parser`` (with ``--enable-auto-tool-choice``), so requests with
     #: ``tools`` work; ``hermes`` reads ``<tool_call>{"name", "arguments"}</tool_call>``, the
-    #: format :attr:`vllm_chat_template` asks for. Empty: no parser (``tools`` get 400 from vLLM)
-    vllm_tool_call_parser: str = "hermes"
-    #: vLLM's ``--chat-template`` (relative paths from the repository root): SmolLM2's own
-    #: template ignores ``tools``; ours renders them and tool calls, and renders everything
-    #: else exactly as SmolLM2's does. Empty: the model's own template
-    vllm_chat_template: str = "infra/chat_templates/smollm2_tools.jinja"
+    #: format :attr:`vllm_chat_template` asks for. Empty: no parser (``tools`` get 400 from
+    #: vLLM). Unset: the model's (infra/model.py)
+    vllm_tool_call_parser: str | None = None
+    #: vLLM's ``--chat-template`` (relative paths from the repository root). Empty: the
+    #: model's own template. Unset: the model's choice (SmolLM2's own template ignores
+    #: ``tools``, so it gets ours, which renders them and everything else as SmolLM2's does)
+    vllm_chat_template: str | None = None
 
     #: bearer token the bridge and the proxy demand on every route but ``GET /health``
     #: (None: no auth). ``SPANRL_AUTH_TOKEN``, or the file named by ``SPANRL_AUTH_TOKEN_FILE``
@@ -98,6 +103,19 @@ class Settings(BaseSettings):
         if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
             return None
         return value
+
+    @model_validator(mode="after")
+    def _model_defaults(self) -> "Settings":
+        """An unknown ``model`` is an error listing the known ones; the chat template and the
+        tool-call parser left unset are the model's."""
+        from spanrl.infra.model import model_spec
+
+        spec = model_spec(self.model)
+        if self.vllm_tool_call_parser is None:
+            self.vllm_tool_call_parser = spec.tool_call_parser
+        if self.vllm_chat_template is None:
+            self.vllm_chat_template = spec.chat_template
+        return self
 
     @model_validator(mode="after")
     def _read_auth_token(self) -> "Settings":
@@ -147,7 +165,9 @@ class Settings(BaseSettings):
 
     @property
     def model_dir(self) -> Path:
-        return self.base_model_dir or (self.cache_dir / "models" / "SmolLM2-135M-Instruct")
+        from spanrl.infra.model import model_spec
+
+        return self.base_model_dir or (self.cache_dir / "models" / model_spec(self.model).dir_name)
 
 
 @lru_cache(maxsize=1)

@@ -526,13 +526,16 @@ def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> 
 
 
 def base_model_id(base_dir: Path) -> str:
-    """The base model's id: the manifest's base_model for a checkpoint, else spanrl.infra.model.BASE_MODEL_ID."""
-    m = Path(base_dir) / checkpoint.MANIFEST
-    if m.exists():
-        return json.loads(m.read_text())["base_model"]
-    from spanrl.infra.model import BASE_MODEL_ID
+    """The base model's id: the manifest's ``base_model`` for a checkpoint, else what the
+    conversion wrote beside the weights (``spanrl_base.json``, infra/model.py), else the
+    directory's name (a model directory spanrl did not convert)."""
+    from spanrl.infra.model import BASE_FILE
 
-    return BASE_MODEL_ID
+    for name in (checkpoint.MANIFEST, BASE_FILE):
+        m = Path(base_dir) / name
+        if m.exists():
+            return json.loads(m.read_text())["base_model"]
+    return Path(base_dir).name
 
 
 def resume_plan(kafka_latest: int | None, store_latest: int | None) -> tuple[int, bool, int | None]:
