@@ -175,7 +175,7 @@ def plot_study(report: dict, path: Path) -> None:
 def compare_repeat(summary_a: dict, summary_b: dict, heldout_a: dict[str, dict], heldout_b: dict[str, dict],
                    weights_a: dict[int, str], weights_b: dict[int, str]) -> dict:
     """Two runs of the same seed side by side: which checkpoint versions have the same weights
-    (``weights_x``: version -> sha256 of model.safetensors from the manifests), the first
+    (``weights_x``: version -> sha256 of the weights file from the manifests), the first
     version whose weights differ (None: none), the training iterations' rewards, and per
     held-out mode the fraction of tasks whose final-policy episode got the same reward in
     both runs and the two paired differences; ``repeatable``: every held-out episode got the
@@ -207,15 +207,16 @@ def compare_repeat(summary_a: dict, summary_b: dict, heldout_a: dict[str, dict],
 
 
 def _weights(summary: dict, settings) -> dict[int, str]:
-    """version -> sha256 of model.safetensors of the summary's run, from MinIO's manifests."""
-    from spanrl.trainer import checkpoint
+    """version -> sha256 of model.safetensors (a LoRA run's: adapter_model.safetensors) of the
+    summary's run, from MinIO's manifests."""
+    from spanrl.trainer import checkpoint, lora
 
     client = checkpoint.make_client(settings)
     out = {}
     for v in range(1, int(summary.get("final_served_version") or 0) + 1):
         m = checkpoint.read_manifest(client, settings.checkpoint_bucket, summary["run"], v)
         if m is not None:
-            out[v] = m["files"].get("model.safetensors")
+            out[v] = m["files"].get("model.safetensors") or m["files"].get(lora.ADAPTER_WEIGHTS)
     return out
 
 

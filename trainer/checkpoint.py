@@ -2,13 +2,15 @@
 start marker, their transfer to/from MinIO, and retries with backoff.
 
 Layout in object storage: ``s3://BUCKET/RUN/VERSION:06d/`` holding the HF safetensors,
-config, tokenizer files and ``manifest.json``, plus ``s3://BUCKET/RUN/start.json`` (where
-the run began reading samples). The manifest is uploaded last, so a prefix without
+config, tokenizer files and ``manifest.json`` (a LoRA run: the adapter's
+``adapter_model.safetensors`` and ``adapter_config.json`` and the manifest; trainer/lora.py),
+plus ``s3://BUCKET/RUN/start.json`` (where the run began reading samples). The manifest is uploaded last, so a prefix without
 ``manifest.json`` is an unfinished upload and is ignored.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -40,14 +42,18 @@ def sha256_file(path: Path) -> str:
 
 def write_manifest(ckpt_dir: Path, *, run: str, version: int, parent_version: int | None, base_model: str,
                    step: int, trained_offsets: dict[str, int], metrics: dict[str, float],
-                   consumed_offsets: dict[str, list[int]] | None = None, staleness: dict | None = None) -> dict:
+                   consumed_offsets: dict[str, list[int]] | None = None, staleness: dict | None = None,
+                   adapter: dict | None = None) -> dict:
     """Hash every file of ``ckpt_dir`` (except the manifest) and write ``manifest.json``.
 
     ``trained_offsets``: ``{"TOPIC:P": next offset}`` the weights have trained up to;
     ``consumed_offsets``: ``{"TOPIC:P": [from, to]}`` the half-open offset range this
     version trained on since its parent (see :func:`consumed_ranges`); ``staleness``: the
     staleness bound and what it did since the parent (``lag_histogram`` of the samples
-    trained, ``refused``, ``kept``; trainer/staleness.py), written when given.
+    trained, ``refused``, ``kept``; trainer/staleness.py), written when given; ``adapter``:
+    the checkpoint is a LoRA adapter of ``base_model``, not full weights
+    (``{"kind": "lora", "rank", "alpha", "dropout", "target_modules"}``, trainer/lora.py),
+    written when given (a manifest without it: full weights, as before LoRA).
     """
     ckpt_dir = Path(ckpt_dir)
     files = {p.name: sha256_file(p) for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
@@ -59,6 +65,8 @@ def write_manifest(ckpt_dir: Path, *, run: str, version: int, parent_version: in
     }
     if staleness is not None:
         manifest["staleness"] = staleness
+    if adapter is not None:
+        manifest["adapter"] = adapter
     (ckpt_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
 
@@ -454,11 +462,7 @@ def download_checkpoint(client, uri: str, dest: Path) -> dict:
     :class:`CheckpointError` is raised (``dest`` is left untouched).
     """
     bucket, prefix = parse_uri(uri)
-    dest = Path(dest)
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with partial_dir(Path(dest)) as tmp:
         objs = [o for o in client.list_objects(bucket, prefix=prefix) if not o.is_dir]
         if not any(o.object_name == prefix + MANIFEST for o in objs):
             raise CheckpointError(f"{uri}: no {MANIFEST} (upload unfinished or wrong uri)")
@@ -468,12 +472,24 @@ def download_checkpoint(client, uri: str, dest: Path) -> dict:
                 continue
             client.fget_object(bucket, o.object_name, str(tmp / name))
         manifest = verify_manifest(tmp)
-    except Exception:
+    return manifest
+
+
+@contextlib.contextmanager
+def partial_dir(dest: Path):
+    """Yields a fresh, empty ``dest.partial`` to write a directory into; when the block ends it
+    replaces ``dest`` (one rename), when the block raises it is removed and ``dest`` is left
+    untouched. So a ``dest`` that exists is complete."""
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    return manifest
 
 
 def latest_version_in_store(client, bucket: str, run: str) -> int | None:

@@ -13,6 +13,14 @@ For each CheckpointAnnouncement of its run (newer than what vLLM serves):
    missing path kills the engine, hence the verification first.
 3. ``POST {proxy}/admin/policy_version {"version", "checkpoint"}`` (connection errors warn).
 
+LoRA adapters (trainer/lora.py): a checkpoint whose manifest has ``adapter`` holds only the
+adapter; it is verified like any other and refused (``lora.BaseModelMismatch``) unless it was
+trained on the base model vLLM serves (``settings.model_dir``, its id by
+``train.base_model_id``). vLLM reloads full weights from a directory, so the adapter is merged
+into the base (``lora.merge_adapter_dir``: ``W + (alpha / r) B A`` in the base's own file
+layout) into ``<checkpoint dir>.merged``, which vLLM loads; merged copies not served (nor the
+target's) are deleted after each reload.
+
 Crash safety
 - Downloads that fail because MinIO is unreachable (or answers 5xx) are retried with
   backoff (``checkpoint.retry``) until they succeed; a checkpoint that does not verify
@@ -57,8 +65,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spanrl.infra.settings import get_settings
 from spanrl.schemas import topics
-from spanrl.trainer import checkpoint, tracking
-from spanrl.trainer.train import _partitions, read_announcements, start_http
+from spanrl.trainer import checkpoint, lora, tracking
+from spanrl.trainer.train import _partitions, base_model_id, read_announcements, start_http
 
 log = logging.getLogger("spanrl.reloader")
 
@@ -127,6 +135,7 @@ class Reloader:
         self.minio = checkpoint.make_client(self.settings)
         self.served_version = 0  # what vLLM got from the last successful reload
         self.served_dir: str | None = None
+        self.served_weights_dir: str | None = None  # what vLLM loaded: served_dir, or its merged copy (LoRA)
         self.served_uri = ""
         # the newest verified checkpoint vLLM should serve (version 0: the base model)
         self.target = {"version": 0, "dir": str(self.settings.model_dir), "uri": ""}
@@ -148,8 +157,8 @@ class Reloader:
 
     def status(self) -> dict:
         return {"run": self.run, "served_version": self.served_version, "served_dir": self.served_dir,
-                "served_uri": self.served_uri, "target_version": self.target["version"],
-                "vllm_synced": self.vllm_synced,
+                "served_weights_dir": self.served_weights_dir, "served_uri": self.served_uri,
+                "target_version": self.target["version"], "vllm_synced": self.vllm_synced,
                 "pinned": None if self.pinned is None else {k: self.pinned[k] for k in ("run", "version", "uri")},
                 "history": self.history[-50:]}
 
@@ -174,8 +183,35 @@ class Reloader:
         if manifest["version"] != version or manifest["run"] != self.run:
             raise checkpoint.CheckpointError(
                 f"manifest is {manifest['run']}/{manifest['version']}, announced {self.run}/{version}")
-        if not (dest / "config.json").is_file() or not any(dest.glob("*.safetensors")):
-            raise checkpoint.CheckpointError(f"{dest}: no config.json or *.safetensors")
+        self._check_servable(manifest, dest)
+
+    def _check_servable(self, manifest: dict, ckpt_dir: Path) -> None:
+        """Raise CheckpointError unless verified checkpoint ``ckpt_dir`` can be served: full weights
+        (config.json and ``*.safetensors``), or an adapter (its weights and config) of the base
+        model vLLM serves (:class:`lora.BaseModelMismatch` otherwise: never merged, never loaded)."""
+        if not lora.is_adapter(manifest):
+            if not (ckpt_dir / "config.json").is_file() or not any(ckpt_dir.glob("*.safetensors")):
+                raise checkpoint.CheckpointError(f"{ckpt_dir}: no config.json or *.safetensors")
+            return
+        lora.check_adapter_files(ckpt_dir)
+        problem = lora.base_problem(manifest, self.settings.model_dir, base_model_id(self.settings.model_dir))
+        if problem:
+            raise lora.BaseModelMismatch(problem)
+
+    def _weights_dir(self, ckpt_dir: str, entry: dict) -> Path:
+        """The directory vLLM reloads for checkpoint ``ckpt_dir``: the directory itself (full
+        weights, the base model), or for an adapter its merge into the base model
+        (:func:`lora.merged_dir`; made by :func:`lora.merge_adapter_dir` unless it is current;
+        ``entry`` gets ``merged`` and ``merge_s``)."""
+        ckpt = Path(ckpt_dir)
+        if not lora.is_adapter(lora.manifest_of(ckpt)):
+            return ckpt
+        out = lora.merged_dir(ckpt)
+        t0 = time.perf_counter()
+        if not lora.merged_is_current(out, self.settings.model_dir, ckpt):
+            lora.merge_adapter_dir(self.settings.model_dir, ckpt, out)
+        entry["merged"], entry["merge_s"] = str(out), round(time.perf_counter() - t0, 3)
+        return out
 
     async def fetch(self, ann: dict, entry: dict | None = None) -> Path:
         """The verified local directory of announcement ``ann``. MinIO outages are retried
@@ -351,6 +387,7 @@ class Reloader:
                 if manifest["version"] != version or manifest["run"] != run:
                     raise checkpoint.CheckpointError(
                         f"manifest is {manifest['run']}/{manifest['version']}, asked for {run}/{version}")
+                self._check_servable(manifest, dest)
                 actual = checkpoint.manifest_sha256(dest)
                 if announced and actual != announced[-1]["manifest_sha256"]:
                     raise checkpoint.CheckpointError(
@@ -383,6 +420,7 @@ class Reloader:
         d = Path(pin["dir"]).resolve() if pin.get("dir") else None
         if d is not None and root in d.parents:
             shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(lora.merged_dir(d), ignore_errors=True)  # an adapter's merge, if any
             if d.parent != root and d.parent.is_dir() and not any(d.parent.iterdir()):
                 d.parent.rmdir()
 
@@ -426,7 +464,8 @@ class Reloader:
         t = dict(self.want())
         t0 = time.perf_counter()
         try:
-            await reload_vllm(self.vllm_url, t["dir"], pause_mode=self.cfg.pause_mode,
+            weights = await asyncio.to_thread(self._weights_dir, t["dir"], entry)
+            await reload_vllm(self.vllm_url, weights, pause_mode=self.cfg.pause_mode,
                               timeout_s=self.cfg.reload_timeout_s)
         except Exception as exc:
             entry["error"] = f"reload failed: {type(exc).__name__}: {exc}"
@@ -440,9 +479,12 @@ class Reloader:
         entry["reload_s"] = round(time.perf_counter() - t0, 3)
         entry["reloaded"], entry["error"] = True, None
         self.served_version, self.served_dir, self.served_uri = t["version"], t["dir"], t["uri"]
+        self.served_weights_dir = str(weights)
         self.vllm_synced = True
         if t["dir"] and Path(t["dir"]).parent.name == self.run:  # never the base model's directory
             checkpoint.prune_local(Path(t["dir"]).parent, self.cfg.keep_local, protect={Path(t["dir"])})
+            # merged copies (LoRA) of what is neither served nor the target (a gate's incumbent)
+            lora.prune_merged(Path(t["dir"]).parent, keep={weights, lora.merged_dir(Path(self.target["dir"]))})
         self._apply_failures, self._next_apply_at = 0, 0.0
         log.info("vLLM now serves %s v%d (reload %.2fs)", self.run, t["version"], entry["reload_s"])
         await notify_proxy(self.proxy_url, t["version"], t["uri"])

@@ -43,7 +43,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from spanrl.infra.settings import get_settings
 from spanrl.schemas import topics
-from spanrl.trainer import batching, checkpoint, losses, staleness, tracking
+from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -108,6 +108,18 @@ class TrainerConfig(BaseSettings):
     #: non-reentrant) instead of keeping them: ~1.3 MB -> ~0.07 MB kept per token for SmolLM2,
     #: one more forward per micro-batch (trainer/README.md, "Memory")
     activation_checkpointing: bool = True
+    #: LoRA (trainer/lora.py, Hu et al. 2021): > 0 trains rank-``lora_rank`` adapters on
+    #: ``lora_target_modules`` with every base weight frozen (peft); checkpoints hold only the
+    #: adapter, the reloader merges it into the base for vLLM; the KL reference is the same model
+    #: with the adapter disabled. 0: full fine-tuning
+    lora_rank: int = 0
+    #: the adapter's output is scaled by lora_alpha / lora_rank (Hu et al. s4.1: alpha is fixed,
+    #: not tuned, so a change of rank needs no new learning rate); 32 = 2 x a rank of 16
+    lora_alpha: float = 32.0
+    #: dropout on each adapter's input while training (peft's lora_dropout)
+    lora_dropout: float = 0.0
+    #: comma-separated module names that get adapters (peft matches the end of a module's path)
+    lora_target_modules: str = lora.DEFAULT_TARGET_MODULES
     #: completion positions per log-prob chunk (losses.chunked_token_logprobs); 0: full logits
     logprob_chunk: int = LOGPROB_CHUNK
     max_tokens: int = 4096
@@ -237,23 +249,29 @@ def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0
     """Wrap ``model`` in a DeepSpeed ZeRO-2 engine (the one function tests and the service use).
 
     CPU: fp32 with DeepSpeedCPUAdam (JIT-built once into TORCH_EXTENSIONS_DIR); if that
-    build fails, torch.optim.AdamW (logged).
+    build fails, torch.optim.AdamW (logged). The optimizer (and ZeRO's partitions, master copy
+    and gradients) holds only the parameters that require gradients: every one for full
+    fine-tuning, the adapters' for LoRA (:func:`load_model`). Raises ValueError when no
+    parameter requires gradients.
     """
     import deepspeed
 
     init_distributed()
     cfg = deepspeed_config(micro_batch, grad_clip, lr, weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no parameter that requires gradients")
     optimizer = None
     if not torch.cuda.is_available():
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, weight_decay=weight_decay, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(trainable, lr=lr, weight_decay=weight_decay, adamw_mode=True)
         except Exception as exc:  # JIT build failure
             log.warning("DeepSpeedCPUAdam unavailable (%s); falling back to torch.optim.AdamW", exc)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+            optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
-                                           model_parameters=None if optimizer else model.parameters())
+                                           model_parameters=None if optimizer else trainable)
     return engine
 
 
@@ -267,16 +285,28 @@ def load_reference_model(model_dir: Path):
     return model
 
 
-def load_model(model_dir: Path, activation_checkpointing: bool = False):
+def load_model(model_dir: Path, activation_checkpointing: bool = False, adapter: dict | None = None,
+               adapter_dir: Path | None = None):
     """The policy of ``model_dir`` (bf16 on GPU, fp32 on CPU, SDPA attention, no KV cache);
     ``activation_checkpointing``: each decoder layer's activations are recomputed in backward
-    (HF gradient checkpointing, non-reentrant) instead of kept from the forward."""
+    (HF gradient checkpointing, non-reentrant) instead of kept from the forward.
+    ``adapter`` (``lora.lora_spec``): the model wrapped with LoRA adapters (``lora.wrap``, a peft
+    model; the base weights frozen, only the adapters train), their weights from the adapter
+    checkpoint ``adapter_dir`` when given (else peft's init: the base model's outputs). With
+    frozen embeddings no decoder layer's input requires a gradient: non-reentrant checkpointing
+    still gives the adapters inside each layer theirs (the reentrant kind would not; transformers'
+    ``gradient_checkpointing_enable`` calls ``enable_input_require_grads`` anyway), the same as
+    without checkpointing (tests/unit/test_lora.py)."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     # sdpa: no [B, heads, T, T] score tensors kept for backward (eager attention OOMs on CPU)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
+    if adapter is not None:
+        model = lora.wrap(model, adapter)
+        if adapter_dir is not None:
+            lora.load_adapter_weights(model, adapter_dir)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -303,7 +333,8 @@ def lm_head_bypassed(model):
 
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, window: int, chunk: int):
     """Log-probs ``[B, window]`` of the last ``window`` positions of ``input_ids`` under
-    ``model`` (the engine or the reference model; masked by ``completion_mask[:, -window:]``):
+    ``model`` (the engine, the reference model or a ``lora.AdapterDisabled``; masked by
+    ``completion_mask[:, -window:]``):
     ``chunk`` > 0 through losses.chunked_token_logprobs (never the ``[B, window, V]``
     logits), 0 through the full logits and losses.token_logprobs."""
     ids, mask = input_ids[:, -window:], completion_mask[:, -window:]
@@ -382,7 +413,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
     ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
-    ``ref_model`` (frozen, the base weights): the k3 KL to the reference policy is computed
+    ``ref_model`` (frozen, the base weights: a second model, or ``lora.AdapterDisabled`` of a
+    LoRA engine's own model): the k3 KL to the reference policy is computed
     per token, logged as ``ref_kl`` (token mean) and added to the loss times ``kl_coef``
     (DeepSeekMath eq. 4); without it ``kl_coef`` has nothing to act on.
     ``reinforce_pp`` normalises each call's credited ``reward`` over the batch (the credit
@@ -514,10 +546,21 @@ def _learning_rate(engine) -> float | None:
 # ---- checkpoints ----------------------------------------------------------------------
 
 def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> dict:
-    """Write HF safetensors + config + the base dir's tokenizer files + manifest into ``out_dir``."""
+    """Write HF safetensors + config + the base dir's tokenizer files + manifest into ``out_dir``.
+
+    With ``adapter`` in ``manifest_fields`` (``lora.lora_spec``; ``model`` a peft LoRA model):
+    only the adapter (``adapter_model.safetensors``, ``adapter_config.json``, ``lora.save_adapter``)
+    and the manifest, whose ``adapter`` and ``base_model`` say what it applies to; the base
+    model's files stay where they are. Raises ValueError when ``adapter`` and the model disagree."""
     out_dir = Path(out_dir)
+    adapter = manifest_fields.get("adapter")
+    if (adapter is not None) != hasattr(model, "peft_config"):
+        raise ValueError("save_checkpoint: a peft model needs its manifest's adapter, and only a peft model has one")
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
+    if adapter is not None:
+        lora.save_adapter(model, out_dir, manifest_fields["base_model"])
+        return checkpoint.write_manifest(out_dir, **manifest_fields)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     for p in Path(base_dir).iterdir():
         if p.is_file() and p.name not in _MODEL_FILES and not (out_dir / p.name).exists():
@@ -649,8 +692,10 @@ class Trainer:
             raise ValueError(f"mini_batches must be >= 1, got {cfg.mini_batches}")
         if cfg.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
+        #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
+        self.adapter = lora.lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
         self.state.batching = cfg.batching
-        self.ref_model = None  # the reference policy (base weights) when kl_coef > 0
+        self.ref_model = None  # the reference policy (base weights) when kl_coef > 0: a model or lora.AdapterDisabled
         self._train_until: dict[int, int] = {}  # barrier batching: partition -> next offset to train up to
         self.state.staleness.update(max_staleness=cfg.max_staleness, policy=cfg.stale_policy)
         # what the next checkpoint's manifest reports (since its parent)
@@ -762,7 +807,7 @@ class Trainer:
             parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
             trained_offsets=trained, consumed_offsets=consumed, metrics=metrics,
             staleness={"max_staleness": self.cfg.max_staleness, "policy": self.cfg.stale_policy,
-                       **self._since_parent})
+                       **self._since_parent}, adapter=self.adapter)
         self.state.pending_checkpoint = uri
         await self._retry(f"upload {uri}",
                           lambda: asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri))
@@ -927,23 +972,19 @@ class Trainer:
         from spanrl.schemas.codec import SchemaError, decode
 
         await self._retry("resume", self.resume)
-        model = await asyncio.to_thread(load_model, self.model_dir, self.cfg.activation_checkpointing)
-        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        await asyncio.to_thread(self.load_policy)
+        # an adapter checkpoint has no tokenizer files: the base model's (the same for full weights)
+        tok = AutoTokenizer.from_pretrained(str(self.base_dir if self.adapter else self.model_dir))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        self.engine = await asyncio.to_thread(build_engine, model, lr=self.cfg.lr,
-                                              weight_decay=self.cfg.weight_decay,
-                                              micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
-        if self.cfg.kl_coef > 0:  # the reference policy: the base weights, frozen
-            self.ref_model = await asyncio.to_thread(load_reference_model, self.base_dir)
-            self.emit({"event": "reference_model", "run": self.run, "model_dir": str(self.base_dir),
-                       "parameters": sum(p.numel() for p in self.ref_model.parameters()),
-                       "bytes": sum(p.numel() * p.element_size() for p in self.ref_model.parameters())})
         consumer, tps = await self._retry("open samples consumer", self.open_consumer)
         try:
             sources = await self._retry("seek samples", lambda: self.seek_start(consumer, tps))
+            params = list(self.engine.module.parameters())
             self.emit({"event": "start", "run": self.run, "version": self.state.version,
                        "offsets": dict(self.state.trained_offsets), "from": sources,
-                       "model_dir": str(self.model_dir)})
+                       "model_dir": str(self.model_dir), "adapter": self.adapter,
+                       "parameters": sum(p.numel() for p in params),
+                       "trainable_parameters": sum(p.numel() for p in params if p.requires_grad)})
             buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
             last_arrival = time.monotonic()
             while not self._stop.is_set():
@@ -985,6 +1026,49 @@ class Trainer:
             if self._dead_producer is not None:
                 await self._dead_producer.stop()
                 self._dead_producer = None
+
+    def load_policy(self) -> None:
+        """The engine over the weights of ``model_dir`` and, with ``kl_coef`` > 0, the reference
+        policy. Full fine-tuning: the model of ``model_dir`` (the base or a full checkpoint) and,
+        as reference, the base weights loaded once more, frozen (:func:`load_reference_model`).
+        LoRA: the base model of ``base_dir`` with this trainer's adapter (``model_dir`` an adapter
+        checkpoint: its weights; the base dir: a fresh adapter) and, as reference, the same model
+        with the adapter disabled (``lora.AdapterDisabled``: no second copy). Raises ValueError
+        when the checkpoint of ``model_dir`` does not fit the settings: an adapter of another
+        base, rank, alpha or target modules, an adapter without ``lora_rank``, full weights with
+        it, or a ``base_dir`` that is itself a checkpoint."""
+        manifest = None if self.model_dir == self.base_dir else lora.manifest_of(self.model_dir)
+        if lora.is_adapter(manifest) and self.adapter is None:
+            raise ValueError(f"{self.model_dir} is a LoRA adapter checkpoint: set SPANRL_TRAINER_LORA_RANK "
+                             f"({manifest['adapter']['rank']}) to go on training it")
+        if self.adapter is None:
+            model = load_model(self.model_dir, self.cfg.activation_checkpointing)
+        elif manifest is not None and not lora.is_adapter(manifest):
+            raise ValueError(f"{self.model_dir} holds full weights; LoRA trains adapters of the base model "
+                             f"{self.base_dir} (SPANRL_TRAINER_LORA_RANK=0 goes on from full weights)")
+        else:
+            base_id = base_model_id(self.base_dir)
+            # a new adapter is made for the base it is given; one resumed must name that base and fit the settings
+            problem = lora.base_problem(manifest or {"base_model": base_id}, self.base_dir, base_id)
+            if manifest is not None:
+                problem = problem or lora.spec_difference(manifest, self.adapter)
+            if problem:
+                raise ValueError(f"cannot train LoRA from {self.model_dir}: {problem}")
+            model = load_model(self.base_dir, self.cfg.activation_checkpointing, adapter=self.adapter,
+                               adapter_dir=self.model_dir if manifest else None)
+        self.engine = build_engine(model, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                   micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
+        if self.cfg.kl_coef <= 0:
+            return
+        if self.adapter is not None:  # the reference policy: the base weights under the adapter
+            self.ref_model = lora.AdapterDisabled(self.engine.module)
+            self.emit({"event": "reference_model", "run": self.run, "model_dir": str(self.base_dir),
+                       "adapter_disabled": True, "bytes": 0})
+            return
+        self.ref_model = load_reference_model(self.base_dir)  # the base weights, frozen
+        self.emit({"event": "reference_model", "run": self.run, "model_dir": str(self.base_dir),
+                   "parameters": sum(p.numel() for p in self.ref_model.parameters()),
+                   "bytes": sum(p.numel() * p.element_size() for p in self.ref_model.parameters())})
 
     async def _update(self, buffer: list, pad_id: int) -> list:
         """Train on a prefix of ``buffer`` holding up to max_batch good samples; return the rest."""
