@@ -1,6 +1,7 @@
-"""Benchmark (5): trainer tokens/s and seconds per update for SmolLM2-135M.
+"""Benchmark (5): trainer tokens/s and seconds per update for the base model (SPANRL_MODEL).
 
     python -m bench.trainer_bench [--updates 2] [--samples 8] [--prompt 200] [--completion 100] [--kl-coef 0.05]
+                                  [--lora-rank 16]
 
 Uses the trainer's own code (spanrl.trainer.train.load_model / build_engine / train_update: DeepSpeed
 ZeRO-2; fp32 + DeepSpeedCPUAdam on CPU, bf16 + FusedAdam on GPU) on synthetic GRPO samples.
@@ -94,7 +95,7 @@ def model_state_bytes(params: int) -> int:
 
 def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int, kl_coef: float = 0.0,
             micro_batch_tokens: int | None = None, activation_checkpointing: bool | None = None,
-            logprob_chunk: int | None = None) -> dict:
+            logprob_chunk: int | None = None, lora_rank: int | None = None) -> dict:
     import inspect
     import resource
 
@@ -115,13 +116,25 @@ def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int
         extra_load = {}
     if "logprob_chunk" in inspect.signature(train_update).parameters:
         extra["logprob_chunk"] = options["logprob_chunk"] = cfg.logprob_chunk if logprob_chunk is None else logprob_chunk
+    adapter = None
+    if "adapter" in inspect.signature(load_model).parameters:  # LoRA (trainer/lora.py); older code: left out
+        from spanrl.trainer import lora
+
+        rank = cfg.lora_rank if lora_rank is None else lora_rank
+        adapter = lora.lora_spec(rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        options["lora_rank"] = rank
+        extra_load["adapter"] = adapter
     t0 = time.perf_counter()
     rss.phase = "load_model"
     model = load_model(get_settings().model_dir, **extra_load)
     params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rss.phase = "build_engine"
     engine = build_engine(model, lr=1e-6, micro_batch=micro_batch)
-    ref = load_reference_model(get_settings().model_dir) if kl_coef > 0 else None
+    if kl_coef > 0 and adapter is not None:
+        ref = lora.AdapterDisabled(engine.module)  # the trainer's reference for a LoRA policy
+    else:
+        ref = load_reference_model(get_settings().model_dir) if kl_coef > 0 else None
     setup_s = time.perf_counter() - t0
     rss_setup = _rss_mib()
     batch = samples(n, prompt, completion)
@@ -139,6 +152,7 @@ def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int
     timed = per[1:] or per
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     state = model_state_bytes(params) / 2**20
+    checkpoint_bytes = _checkpoint_bytes(model, adapter)
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {
         "device": dev, "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -147,11 +161,14 @@ def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int
                    "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens, "ppo_epochs": 1,
                    "dtype": "bf16" if torch.cuda.is_available() else "fp32"},
         "kl_coef": kl_coef,
-        "reference_model_mib": (sum(p.numel() * p.element_size() for p in ref.parameters()) / 2**20) if ref else 0.0,
+        # a LoRA policy's reference is the same model, adapter off: no second copy
+        "reference_model_mib": (sum(p.numel() * p.element_size() for p in ref.parameters()) / 2**20)
+        if isinstance(ref, torch.nn.Module) else 0.0,
         "rss_after_setup_mib": rss_setup,
         "peak_rss_mib": peak,
         "phase_peak_rss_mib": {k: round(v) for k, v in rss.peaks.items()},
-        "parameters": params, "model_state_mib": round(state), "target_rss_mib": round(2 * state),
+        "parameters": params, "trainable_parameters": trainable, "checkpoint_bytes": checkpoint_bytes,
+        "model_state_mib": round(state), "target_rss_mib": round(2 * state),
         "peak_over_target": round(peak / (2 * state), 3),
         "setup_s": setup_s, "warmup_update_s": per[0]["update_s"],
         "s_per_update": statistics.median(p["update_s"] for p in timed),
@@ -160,6 +177,26 @@ def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int
                     "s_per_update": round(statistics.median(p["update_s"] for p in timed), 2),
                     "tokens_per_s": round(statistics.median(p["tokens_per_s"] for p in timed), 1)},
     }
+
+
+def _checkpoint_bytes(model, adapter: dict | None) -> int:
+    """Bytes a published checkpoint of ``model`` has: the adapter files (trainer/lora.py's
+    save_adapter into a scratch dir) with LoRA, else the full fp32/bf16 weights (parameters x
+    element size: what model.safetensors holds, tied weights once)."""
+    if adapter is None:
+        seen, total = set(), 0
+        for p in model.parameters():  # parameters() yields a tied tensor once
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+    import tempfile
+
+    from spanrl.trainer import lora
+
+    with tempfile.TemporaryDirectory() as d:
+        lora.save_adapter(model, Path(d), "bench")
+        return sum(f.stat().st_size for f in Path(d).iterdir())
 
 
 def run_subprocess(args: list[str] | None = None, timeout: float = 1200) -> dict:
@@ -184,10 +221,11 @@ def main(argv=None, defaults=(3, 8, 200, 100, 4)) -> None:
     ap.add_argument("--activation-checkpointing", type=int, choices=(0, 1), default=None,
                     help="default: SPANRL_TRAINER_ACTIVATION_CHECKPOINTING")
     ap.add_argument("--logprob-chunk", type=int, default=None, help="default: SPANRL_TRAINER_LOGPROB_CHUNK")
+    ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (0: full fine-tuning); default: SPANRL_TRAINER_LORA_RANK")
     a = ap.parse_args(argv)
     ckpt = None if a.activation_checkpointing is None else bool(a.activation_checkpointing)
     print(json.dumps(measure(a.updates, a.samples, a.prompt, a.completion, a.micro_batch, a.kl_coef,
-                             a.micro_batch_tokens, ckpt, a.logprob_chunk)), flush=True)
+                             a.micro_batch_tokens, ckpt, a.logprob_chunk, a.lora_rank)), flush=True)
 
 
 if __name__ == "__main__":
