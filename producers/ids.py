@@ -28,17 +28,19 @@ from spanrl.producers.edge import BadRequest
 
 #: the longest id accepted (characters; every allowed character is one UTF-8 byte)
 MAX_ID_CHARS = 128
-#: the characters of rollout and attempt ids, as the error message says them
-ID_CHARS = "A-Z a-z 0-9 . _ : -"
 ROLLOUT, ATTEMPT, TASK = "rollout", "attempt", "task"
 KINDS = (ROLLOUT, ATTEMPT, TASK)
 #: reason code of a bad id in a path or a body field (headers keep ``invalid_rollout_header``)
 INVALID_ID = "invalid_id"
 
+#: what ids may hold besides letters and digits (each kind); written once: the checks and
+#: the error message's words (:data:`ID_CHARS`) are both made from it
+_PUNCTUATION = {ROLLOUT: "._:-", ATTEMPT: "._:-", TASK: "._:-/"}
 _FIRST = frozenset(string.ascii_letters + string.digits)
-_ID = _FIRST | frozenset("._:-")
-_CHARS = {ROLLOUT: _ID, ATTEMPT: _ID, TASK: _ID | {"/"}}
-_ALLOWED = {ROLLOUT: ID_CHARS, ATTEMPT: ID_CHARS, TASK: ID_CHARS + " /"}
+_CHARS = {kind: _FIRST | frozenset(p) for kind, p in _PUNCTUATION.items()}
+_ALLOWED = {kind: " ".join(["A-Z a-z 0-9", *p]) for kind, p in _PUNCTUATION.items()}
+#: the characters of rollout and attempt ids, as the error message says them: ``A-Z a-z 0-9 . _ : -``
+ID_CHARS = _ALLOWED[ROLLOUT]
 
 
 def rule(kind: str) -> str:
