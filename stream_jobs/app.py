@@ -794,8 +794,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
         parts = sorted(set(positions) | set(waiting) | set(calls))
         out: dict[str, Any] = {"partitions": {str(p): {
             "positions": positions.get(p), "waiting": len(waiting.get(p, ())),
-            "index_scanned": rollout_index.scanned(p), "index_live": len(rollout_index._live.get(p, ())),
-            "index_due": len(rollout_index._due.get(p, {})), "calls_held": len(calls.get(p, ())),
+            "index_scanned": rollout_index.scanned(p),
+            **dict(zip(("index_live", "index_due"), rollout_index.size(p))), "calls_held": len(calls.get(p, ())),
         } for p in parts}}
         rid = request.query.get("rollout")
         if rid:
