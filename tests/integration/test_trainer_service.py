@@ -166,6 +166,95 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path, stack, scratch_ru
                     minio.remove_object(s.checkpoint_bucket, o.object_name)
 
 
+async def _greedy(url: str, prompt: str, max_tokens: int = 8) -> dict:
+    async with httpx.AsyncClient(timeout=120.0) as c:
+        r = await c.post(f"{url}/v1/chat/completions", json={
+            "model": get_settings().model_name, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True, "return_token_ids": True})
+        r.raise_for_status()
+        return r.json()
+
+
+def _hf_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """Log-probs of ``completion_ids`` after ``prompt_ids`` under an HF causal LM (fp32, CPU)."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
+
+
+async def test_lora_adapter_is_published_alone_and_vllm_serves_it_merged(tmp_path, stack, scratch_run):
+    """SPANRL_TRAINER_LORA_RANK > 0 against the real stack: the trainer publishes only the
+    adapter (manifest ``adapter``, no model.safetensors); the reloader merges it into the base
+    weights and vLLM serves the merge: vLLM's log-probs of its greedy answer equal those of
+    the base model with the downloaded adapter applied by peft (independent of our merge), and
+    differ from the base model's."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from peft import PeftModel
+
+    from spanrl.trainer.train import load_model
+
+    s = get_settings()
+    tag = uuid.uuid4().hex[:8]
+    run, samples_topic, ckpt_topic = scratch_run(f"trlora-{tag}"), f"trlora-samples-{tag}", f"trlora-checkpoints-{tag}"
+    await _vllm_ready(s.vllm_url)
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+    await admin.start()
+    await admin.create_topics([NewTopic(samples_topic, 1, 1), NewTopic(ckpt_topic, 1, 1)])
+    minio = checkpoint.make_client(s)
+    try:
+        samples = [_sample_from(await _chat(s.vllm_url, p), f"task-{i // 2}", float(i % 2), 1.0 if i % 2 else -1.0)
+                   for i, p in enumerate(PROMPTS)]
+        producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True)
+        await producer.start()
+        for smp in samples:
+            await producer.send_and_wait(samples_topic, encode("sample", smp), key=smp["transition"]["task_id"].encode())
+        await producer.stop()
+        # a large step, so that the served policy visibly moves
+        cfg = TrainerConfig(run=run, samples_topic=samples_topic, checkpoints_topic=ckpt_topic, min_batch=4,
+                            micro_batch=2, max_updates=1, checkpoint_every=1, http=False, start="earliest",
+                            lr=5e-3, lora_rank=8, log_path=tmp_path / "trainer.jsonl")
+        await asyncio.wait_for(Trainer(cfg).serve(), timeout=240)
+        uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
+        manifest = await asyncio.to_thread(checkpoint.download_checkpoint, minio, uri, tmp_path / "dl")
+        assert manifest["adapter"]["kind"] == "lora" and manifest["adapter"]["rank"] == 8
+        assert "adapter_model.safetensors" in manifest["files"] and "model.safetensors" not in manifest["files"]
+        adapter_bytes = sum((tmp_path / "dl" / f).stat().st_size for f in manifest["files"])
+        assert adapter_bytes < 0.05 * (s.model_dir / "model.safetensors").stat().st_size
+
+        rl = Reloader(ReloaderConfig(run=run, checkpoints_topic=ckpt_topic, start="latest",
+                                     max_announcements=1, http=False))
+        await asyncio.wait_for(rl.serve(), timeout=300)
+        st = rl.status()
+        assert st["served_version"] == 1 and st["history"][-1]["reloaded"], st
+        assert st["history"][-1]["merged"], st
+        print("merge_s", st["history"][-1]["merge_s"], "reload_s", st["history"][-1]["reload_s"])
+
+        served = await _greedy(s.vllm_url, PROMPTS[0])
+        prompt_ids, ids = served["prompt_token_ids"], served["choices"][0]["token_ids"]
+        vllm_lps = [t["logprob"] for t in served["choices"][0]["logprobs"]["content"]]
+        base = await asyncio.to_thread(load_model, s.model_dir)
+        base_lps = await asyncio.to_thread(_hf_logprobs, base, prompt_ids, ids)
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "dl"))
+        peft_lps = await asyncio.to_thread(_hf_logprobs, adapted, prompt_ids, ids)
+        served_vs_peft = max(abs(a - b) for a, b in zip(vllm_lps, peft_lps))
+        peft_vs_base = max(abs(a - b) for a, b in zip(peft_lps, base_lps))
+        print("max |log-prob| differences: vLLM vs peft", served_vs_peft, "peft vs base", peft_vs_base)
+        assert peft_vs_base > 10 * served_vs_peft, (vllm_lps, peft_lps, base_lps)
+    finally:
+        try:
+            await reload_vllm(s.vllm_url, s.model_dir)
+        finally:
+            await admin.delete_topics([samples_topic, ckpt_topic])
+            await admin.close()
+            if minio.bucket_exists(s.checkpoint_bucket):
+                for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
+                    minio.remove_object(s.checkpoint_bucket, o.object_name)
+
+
 # ---- crash safety: Kafka + MinIO only, a tiny model --------------------------------------
 
 @pytest.fixture(scope="module")
