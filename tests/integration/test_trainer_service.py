@@ -9,6 +9,7 @@ upload and reloader download ride out a MinIO outage (MinIO stopped and restarte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -48,11 +49,11 @@ async def _vllm_ready(url: str, wait_s: float = 180.0) -> None:
             await asyncio.sleep(2)
 
 
-async def _chat(url: str, prompt: str, max_tokens: int = 12) -> dict:
+async def _chat(url: str, prompt: str, max_tokens: int = 12, temperature: float = 1.0) -> dict:
     async with httpx.AsyncClient(timeout=120.0) as c:
         r = await c.post(f"{url}/v1/chat/completions", json={
             "model": get_settings().model_name, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 1.0, "logprobs": True, "return_token_ids": True})
+            "max_tokens": max_tokens, "temperature": temperature, "logprobs": True, "return_token_ids": True})
         r.raise_for_status()
         return r.json()
 
@@ -72,30 +73,46 @@ def _sample_from(resp: dict, task_id: str, ret: float, adv: float) -> dict:
             "group_mean": 0.5, "group_std": 0.5}
 
 
-async def test_trainer_publishes_and_reloader_serves(tmp_path, stack, scratch_run):
+@contextlib.asynccontextmanager
+async def _scratch_training(scratch_run, name: str):
+    """A scratch run with its own samples and checkpoints topics; the samples topic holds 4 real
+    samples (token ids and behaviour log-probs as vLLM reports them for PROMPTS). Yields
+    ``(run, samples_topic, ckpt_topic, minio)``; afterwards vLLM gets its base weights back and
+    the topics and the run's objects are deleted."""
     from aiokafka import AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     s = get_settings()
     tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"trtest-{tag}"), f"trtest-samples-{tag}", f"trtest-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = scratch_run(f"{name}-{tag}"), f"{name}-samples-{tag}", f"{name}-checkpoints-{tag}"
     await _vllm_ready(s.vllm_url)
     admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
     await admin.start()
     await admin.create_topics([NewTopic(samples_topic, 1, 1), NewTopic(ckpt_topic, 1, 1)])
     minio = checkpoint.make_client(s)
     try:
-        # real samples: token ids and behaviour log-probs as vLLM reports them
-        samples = []
-        for i, p in enumerate(PROMPTS):
-            resp = await _chat(s.vllm_url, p)
-            samples.append(_sample_from(resp, f"task-{i // 2}", float(i % 2), 1.0 if i % 2 else -1.0))
+        samples = [_sample_from(await _chat(s.vllm_url, p), f"task-{i // 2}", float(i % 2), 1.0 if i % 2 else -1.0)
+                   for i, p in enumerate(PROMPTS)]
         producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True)
         await producer.start()
         for smp in samples:
             await producer.send_and_wait(samples_topic, encode("sample", smp), key=smp["transition"]["task_id"].encode())
         await producer.stop()
+        yield run, samples_topic, ckpt_topic, minio
+    finally:
+        try:
+            await reload_vllm(s.vllm_url, s.model_dir)
+        finally:
+            await admin.delete_topics([samples_topic, ckpt_topic])
+            await admin.close()
+            if minio.bucket_exists(s.checkpoint_bucket):
+                for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
+                    minio.remove_object(s.checkpoint_bucket, o.object_name)
 
+
+async def test_trainer_publishes_and_reloader_serves(tmp_path, stack, scratch_run):
+    s = get_settings()
+    async with _scratch_training(scratch_run, "trtest") as (run, samples_topic, ckpt_topic, minio):
         # trainer: one update, checkpoint_every=1
         cfg = TrainerConfig(run=run, samples_topic=samples_topic, checkpoints_topic=ckpt_topic, min_batch=4,
                             micro_batch=2, max_updates=1, checkpoint_every=1, http=False, start="earliest",
@@ -103,7 +120,7 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path, stack, scratch_ru
         trainer = Trainer(cfg)
         await asyncio.wait_for(trainer.serve(), timeout=240)
         assert trainer.state.version == 1
-        assert trainer.state.trained_offsets == {f"{samples_topic}:0": len(samples)}
+        assert trainer.state.trained_offsets == {f"{samples_topic}:0": len(PROMPTS)}
         lines = [json.loads(x) for x in (tmp_path / "trainer.jsonl").read_text().splitlines()]
         upd = next(x for x in lines if x["event"] == "update")
         assert upd["samples"] == 4 and upd["approx_kl"] < 0.5, upd  # vLLM and HF agree on log-probs
@@ -154,25 +171,6 @@ async def test_trainer_publishes_and_reloader_serves(tmp_path, stack, scratch_ru
         assert st["history"][-1]["verified"] is False and "sha256 mismatch" in st["history"][-1]["error"]
         assert not (s.cache_dir / "checkpoints" / run / "000002").exists()
         assert (await _chat(s.vllm_url, "Say hi", 4))["choices"][0]["token_ids"]
-    finally:
-        # give vLLM its base weights back, drop our topics and objects
-        try:
-            await reload_vllm(s.vllm_url, s.model_dir)
-        finally:
-            await admin.delete_topics([samples_topic, ckpt_topic])
-            await admin.close()
-            if minio.bucket_exists(s.checkpoint_bucket):
-                for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
-                    minio.remove_object(s.checkpoint_bucket, o.object_name)
-
-
-async def _greedy(url: str, prompt: str, max_tokens: int = 8) -> dict:
-    async with httpx.AsyncClient(timeout=120.0) as c:
-        r = await c.post(f"{url}/v1/chat/completions", json={
-            "model": get_settings().model_name, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True, "return_token_ids": True})
-        r.raise_for_status()
-        return r.json()
 
 
 def _hf_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -191,28 +189,12 @@ async def test_lora_adapter_is_published_alone_and_vllm_serves_it_merged(tmp_pat
     weights and vLLM serves the merge: vLLM's log-probs of its greedy answer equal those of
     the base model with the downloaded adapter applied by peft (independent of our merge), and
     differ from the base model's."""
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from peft import PeftModel
 
     from spanrl.trainer.train import load_model
 
     s = get_settings()
-    tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"trlora-{tag}"), f"trlora-samples-{tag}", f"trlora-checkpoints-{tag}"
-    await _vllm_ready(s.vllm_url)
-    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
-    await admin.start()
-    await admin.create_topics([NewTopic(samples_topic, 1, 1), NewTopic(ckpt_topic, 1, 1)])
-    minio = checkpoint.make_client(s)
-    try:
-        samples = [_sample_from(await _chat(s.vllm_url, p), f"task-{i // 2}", float(i % 2), 1.0 if i % 2 else -1.0)
-                   for i, p in enumerate(PROMPTS)]
-        producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True)
-        await producer.start()
-        for smp in samples:
-            await producer.send_and_wait(samples_topic, encode("sample", smp), key=smp["transition"]["task_id"].encode())
-        await producer.stop()
+    async with _scratch_training(scratch_run, "trlora") as (run, samples_topic, ckpt_topic, minio):
         # a large step, so that the served policy visibly moves
         cfg = TrainerConfig(run=run, samples_topic=samples_topic, checkpoints_topic=ckpt_topic, min_batch=4,
                             micro_batch=2, max_updates=1, checkpoint_every=1, http=False, start="earliest",
@@ -233,7 +215,7 @@ async def test_lora_adapter_is_published_alone_and_vllm_serves_it_merged(tmp_pat
         assert st["history"][-1]["merged"], st
         print("merge_s", st["history"][-1]["merge_s"], "reload_s", st["history"][-1]["reload_s"])
 
-        served = await _greedy(s.vllm_url, PROMPTS[0])
+        served = await _chat(s.vllm_url, PROMPTS[0], 8, temperature=0.0)
         prompt_ids, ids = served["prompt_token_ids"], served["choices"][0]["token_ids"]
         vllm_lps = [t["logprob"] for t in served["choices"][0]["logprobs"]["content"]]
         base = await asyncio.to_thread(load_model, s.model_dir)
@@ -244,15 +226,6 @@ async def test_lora_adapter_is_published_alone_and_vllm_serves_it_merged(tmp_pat
         peft_vs_base = max(abs(a - b) for a, b in zip(peft_lps, base_lps))
         print("max |log-prob| differences: vLLM vs peft", served_vs_peft, "peft vs base", peft_vs_base)
         assert peft_vs_base > 10 * served_vs_peft, (vllm_lps, peft_lps, base_lps)
-    finally:
-        try:
-            await reload_vllm(s.vllm_url, s.model_dir)
-        finally:
-            await admin.delete_topics([samples_topic, ckpt_topic])
-            await admin.close()
-            if minio.bucket_exists(s.checkpoint_bucket):
-                for o in minio.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
-                    minio.remove_object(s.checkpoint_bucket, o.object_name)
 
 
 # ---- crash safety: Kafka + MinIO only, a tiny model --------------------------------------
