@@ -334,3 +334,40 @@ def test_images_pin_what_bootstrap_installs():
             assert all((ROOT / src).exists() for src in i.value[:-1]), i.original
     images = {s.get("image") for s in compose()["services"].values()}
     assert f"apache/kafka:{Settings().kafka_version}" in images
+
+
+def _servers(http: list[dict]) -> dict[str, list[dict]]:
+    """``listen`` port -> the server block's directives, of an nginx ``http`` block."""
+    out = {}
+    for d in http:
+        if d["directive"] == "server":
+            port = next(x["args"][0] for x in d["block"] if x["directive"] == "listen")  # first arg: the port
+            out[port] = d["block"]
+    return out
+
+
+@pytest.mark.parametrize("path, bridge_host", [(DEPLOY / "nginx.conf", "bridge"),
+                                               (K8S / "nginx.conf", "bridge-headless.spanrl.svc.cluster.local")],
+                         ids=["compose", "k8s"])
+def test_load_balancer_passes_otlp_grpc_to_the_bridges(path, bridge_host):
+    """OTLP/gRPC (issue 23) through the load balancer as OTLP/HTTP is: a server on the bridges'
+    gRPC port speaking HTTP/2, ``grpc_pass`` to an upstream of the bridges on that port (nginx
+    balances each export RPC, not the exporter's one connection); the port is published."""
+    port = str(Settings().bridge_grpc_port)
+    http = next(d for d in crossplane.parse(str(path))["config"][0]["parsed"] if d["directive"] == "http")["block"]
+    server = _servers(http)[port]
+    assert [port, "http2"] in [d["args"] for d in server if d["directive"] == "listen"]
+    location = next(d for d in server if d["directive"] == "location")["block"]
+    target = next(d["args"][0] for d in location if d["directive"] == "grpc_pass")
+    assert target.startswith("grpc://")
+    upstream = next(d for d in http if d["directive"] == "upstream" and d["args"] == [target[len("grpc://"):]])
+    assert {d["args"][0] for d in upstream["block"] if d["directive"] == "server"} == {f"{bridge_host}:{port}"}
+    if path.parent == DEPLOY:
+        assert f"{port}:{port}" in compose()["services"]["lb"]["ports"]
+    else:
+        docs = {(doc["kind"], doc["metadata"]["name"]): doc for _, doc in k8s_docs()}
+        for svc in ("spanrl", "bridge", "bridge-headless"):
+            assert {"name": "otlp-grpc", "port": int(port)} in docs[("Service", svc)]["spec"]["ports"], svc
+        for dep in ("lb", "bridge"):
+            ports = docs[("Deployment", dep)]["spec"]["template"]["spec"]["containers"][0]["ports"]
+            assert {"name": "otlp-grpc", "containerPort": int(port)} in ports, dep
