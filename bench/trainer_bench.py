@@ -183,13 +183,8 @@ def _checkpoint_bytes(model, adapter: dict | None) -> int:
     """Bytes a published checkpoint of ``model`` has: the adapter files (trainer/lora.py's
     save_adapter into a scratch dir) with LoRA, else the full fp32/bf16 weights (parameters x
     element size: what model.safetensors holds, tied weights once)."""
-    if adapter is None:
-        seen, total = set(), 0
-        for p in model.parameters():  # parameters() yields a tied tensor once
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        return total
+    if adapter is None:  # parameters() yields a tied tensor once
+        return sum(p.numel() * p.element_size() for p in model.parameters())
     import tempfile
 
     from spanrl.trainer import lora
