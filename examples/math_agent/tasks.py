@@ -138,34 +138,49 @@ def load_arith_tasks(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, 
 
 
 ARITH_BALANCED = "arith_word_balanced"
+#: balanced over the one-step kinds the base policy ever solves when sampling (``mul``, ``add``,
+#: ``sub``: LEARNING.md, run A's per-kind table); ``div`` and the two-step kinds are never
+#: solved in training rollouts, so their groups carry no correctness signal
+ARITH_ONE_STEP = "arith_word_mul_add_sub"
+#: each balanced set: (the prefix of its per-item generator seeds, the kinds it cycles through in order)
+BALANCED_SETS = {ARITH_BALANCED: ("arith-balanced", KINDS), ARITH_ONE_STEP: (ARITH_ONE_STEP, ("mul", "add", "sub"))}
 
 
-def load_arith_balanced_tasks(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, Any]]:
-    """Like :func:`load_arith_tasks`, but item ``idx`` is of kind ``KINDS[idx % 6]``, so any 6
-    consecutive items (one main-job iteration of 6 tasks) hold one problem of every kind: a
-    training set whose kind mix does not drift from iteration to iteration. ``task_id``
-    ``arith_word_balanced-{seed}-{idx}``; numbers from their own generator (no item equals an
-    ``arith_word`` item of the same seed by construction; ``disjoint`` checks questions).
-    Raises ValueError for ``size <= 0``."""
-    import random
+def _balanced_loader(name: str):
+    prefix, kinds = BALANCED_SETS[name]
 
-    if size <= 0:
-        raise ValueError("size must be positive")
-    tasks = []
-    for idx in range(size):
-        question, answer, expression, kind = _arith_item(random.Random(f"arith-balanced-{seed}-{idx}"),
-                                                         KINDS[idx % len(KINDS)])
-        tasks.append({"task_id": f"{ARITH_BALANCED}-{seed}-{idx}", "question": question, "answer": str(answer),
-                      "metadata": {"source_dataset": ARITH_BALANCED, "seed": seed, "source_index": idx,
-                                   "expression": expression, "kind": kind}})
-    return tasks
+    def load(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, Any]]:
+        import random
+
+        if size <= 0:
+            raise ValueError("size must be positive")
+        tasks = []
+        for idx in range(size):
+            question, answer, expression, kind = _arith_item(random.Random(f"{prefix}-{seed}-{idx}"),
+                                                             kinds[idx % len(kinds)])
+            tasks.append({"task_id": f"{name}-{seed}-{idx}", "question": question, "answer": str(answer),
+                          "metadata": {"source_dataset": name, "seed": seed, "source_index": idx,
+                                       "expression": expression, "kind": kind}})
+        return tasks
+
+    load.__name__ = f"load_{name}_tasks"
+    load.__doc__ = (f"Like :func:`load_arith_tasks`, but item ``idx`` is of kind ``{kinds}[idx % {len(kinds)}]``, "
+                    "so the kind mix of one main-job iteration (6 consecutive items) does not drift from "
+                    f"iteration to iteration. ``task_id`` ``{name}-{{seed}}-{{idx}}``; numbers from their own "
+                    "generator (``disjoint`` checks questions against other sets). ValueError for ``size <= 0``.")
+    return load
 
 
-TASK_SETS = {ARITH: load_arith_tasks, ARITH_BALANCED: load_arith_balanced_tasks, DATASET: load_tasks}
+load_arith_balanced_tasks = _balanced_loader(ARITH_BALANCED)
+load_arith_one_step_tasks = _balanced_loader(ARITH_ONE_STEP)
+
+
+TASK_SETS = {ARITH: load_arith_tasks, ARITH_BALANCED: load_arith_balanced_tasks,
+             ARITH_ONE_STEP: load_arith_one_step_tasks, DATASET: load_tasks}
 
 
 def load_task_set(name: str, seed: int, size: int) -> list[dict[str, Any]]:
-    """Tasks of the named set (``arith_word``, ``arith_word_balanced`` or ``gsm_symbolic``);
+    """Tasks of the named set (a key of ``TASK_SETS``);
     ValueError for another name."""
     if name not in TASK_SETS:
         raise ValueError(f"unknown task set {name!r}; known: {', '.join(TASK_SETS)}")

@@ -61,3 +61,18 @@ def test_balanced_training_set_has_every_kind_in_each_six():
         assert str(int(eval(t["metadata"]["expression"]))) == t["answer"]  # noqa: S307 - our own digits
     held = load_arith_tasks(1000, 200)
     assert not ({t["question"] for t in tasks} & {t["question"] for t in held})
+
+
+def test_one_step_balanced_set_cycles_mul_add_sub_and_keeps_the_six_kind_set_unchanged():
+    from examples.math_agent.tasks import load_arith_tasks, load_task_set
+
+    tasks = load_task_set("arith_word_mul_add_sub", 0, 12)
+    assert [t["metadata"]["kind"] for t in tasks[:6]] == ["mul", "add", "sub", "mul", "add", "sub"]
+    assert tasks[4]["task_id"] == "arith_word_mul_add_sub-0-4"
+    for t in tasks:
+        assert str(int(eval(t["metadata"]["expression"]))) == t["answer"]  # noqa: S307 - our own digits
+    assert not ({t["question"] for t in tasks} & {t["question"] for t in load_arith_tasks(1000, 200)})
+    assert tasks[0]["question"] == "A crate holds 49 bottles. How many bottles are in 67 crates?"
+    # the six-kind set's items are still the ones study 2 trained on (same generator seeds)
+    assert load_task_set("arith_word_balanced", 0, 1)[0]["question"] == (
+        "A shelf holds 97 books. How many books are in 59 shelves?")
