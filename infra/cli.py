@@ -263,9 +263,9 @@ def demo(
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after (0: none)"),
     ood_tasks: int = typer.Option(None, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
                                   "(math agent; default: none)"),
-    train_task_set: str = typer.Option(None, help="the math agent's training tasks: arith_word (default) | "
-                                       "arith_word_balanced (one of each kind per 6 tasks) | "
-                                       "arith_word_mul_add_sub (mul, add, sub in turn)"),
+    train_task_set: str = typer.Option(None, help="the math agent's training tasks: arith_word_mul_add_sub "
+                                       "(default: mul, add, sub in turn) | arith_word (random kinds) | "
+                                       "arith_word_balanced (one of each kind per 6 tasks)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
 ) -> None:
@@ -316,8 +316,8 @@ def study(
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
     ood_tasks: int = typer.Option(100, help="out-of-distribution gsm_symbolic tasks evaluated before and after "
                                   "(0: none)"),
-    train_task_set: str = typer.Option(None, help="training tasks: arith_word (default) | arith_word_balanced | "
-                                   "arith_word_mul_add_sub"),
+    train_task_set: str = typer.Option(None, help="training tasks: arith_word_mul_add_sub (default) | arith_word | "
+                                   "arith_word_balanced"),
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
     repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
                                 "version, held-out episodes)"),
