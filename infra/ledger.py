@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 from spanrl.stream_jobs import dead_letters as dl
-from spanrl.stream_jobs.credit import grpo_advantages
-from spanrl.stream_jobs.grouping import late_member_advantage
 
 #: assembler reasons that end a whole attempt (all its calls are dead-lettered with it)
 ATTEMPT_REASONS = frozenset({
@@ -182,10 +181,22 @@ def account(*, calls: list[dict], events: list[dict], transitions: list[dict], s
     return acc
 
 
+def expected_advantage(group_returns: list[float], R: float, eps: float = 1e-6) -> float:
+    """GRPO's outcome advantage of return ``R`` in a group whose returns are ``group_returns``
+    (``R`` among them): ``(R - mean) / (pstdev + eps)``, 0 for a group of one (DeepSeekMath,
+    arXiv 2402.03300 s4.1.2; population std, as the stream job states it). Written here apart
+    from the stream job's own ``credit.grpo_advantages`` on purpose, with the standard
+    library's ``statistics``: the ledger checks the stream job's arithmetic, so it must not call
+    it. Examples: ``([0, .25], 0) = -0.125 / (0.125 + eps)``, ``([0, .25, .5], .5) = +1.2247``."""
+    if len(group_returns) <= 1:
+        return 0.0
+    return (R - statistics.fmean(group_returns)) / (statistics.pstdev(group_returns) + eps)
+
+
 def advantage_mismatches(samples: list[dict], eps: float = 1e-6, acc: Account | None = None) -> int:
     """Samples whose advantage differs (abs 1e-9) from GRPO recomputed over their group
-    (one return per member rollout attempt; spanrl.stream_jobs.credit.grpo_advantages), late
-    members against the group before them (spanrl.stream_jobs.grouping.late_member_advantage)."""
+    (one return per member rollout attempt; :func:`expected_advantage`); a late member
+    (stream_jobs/grouping.py) against the group at close, the late members before it and itself."""
     groups: dict[str, dict[tuple[str, str], tuple[int, float]]] = defaultdict(dict)
     for s in samples:
         t = s["transition"]
@@ -197,11 +208,11 @@ def advantage_mismatches(samples: list[dict], eps: float = 1e-6, acc: Account | 
         closed = min(n for n, _ in members.values())
         order = sorted(m for m, (n, _) in members.items() if n == closed)
         returns = [members[m][1] for m in order]
-        for m, a in zip(order, grpo_advantages(returns, eps)):
-            expected[(gid, *m)] = a
+        for m, R in zip(order, list(returns)):
+            expected[(gid, *m)] = expected_advantage(returns, R, eps)
         for m in sorted((m for m in members if members[m][0] > closed), key=lambda m: members[m][0]):
-            expected[(gid, *m)] = late_member_advantage(returns, members[m][1], eps)
             returns.append(members[m][1])
+            expected[(gid, *m)] = expected_advantage(returns, members[m][1], eps)
     bad = 0
     for s in samples:
         t = s["transition"]

@@ -221,20 +221,6 @@ def clip_fraction(logp: torch.Tensor, behaviour_logp: torch.Tensor, completion_m
     return masked_mean(((ratio - 1.0).abs() > clip_eps).float(), completion_mask)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: list, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO outcome advantages: ``(r - mean_group) / (std_group + eps)`` (arXiv 2402.03300 s4.1.2).
-
-    rewards ``[N]``; group_ids: N hashable labels. Population std (ddof 0). The stream
-    jobs compute this for real samples; the trainer uses it only in tests/replays.
-    """
-    out = torch.zeros_like(rewards, dtype=torch.float32)
-    for g in set(group_ids):
-        idx = torch.tensor([i for i, x in enumerate(group_ids) if x == g])
-        r = rewards[idx].float()
-        out[idx] = (r - r.mean()) / (r.std(unbiased=False) + eps)
-    return out
-
-
 def dr_grpo_advantages(returns: list[float], group_means: list[float]) -> list[float]:
     """Dr. GRPO advantages ``A_i = R_i - mean_group(R)``: GRPO's group baseline without the
     division by the group's std (Liu et al. 2025, "Understanding R1-Zero-Like Training",

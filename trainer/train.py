@@ -1153,9 +1153,8 @@ class Trainer:
         return train, lags, kept
 
     async def _dead_letter_stale(self, partition: int, offset: int, sample: dict, lag: int) -> None:
-        from aiokafka import AIOKafkaProducer
-
-        from spanrl.schemas.codec import encode
+        """The ``stale_sample`` dead letter of a refused sample, sent (:meth:`_send_dead_letter`,
+        retried until Kafka acked it), then counted in ``/status`` and the update's figures."""
         from spanrl.stream_jobs import dead_letters as dl
 
         t = sample["transition"]
@@ -1164,25 +1163,31 @@ class Trainer:
             source_topic=self.cfg.samples_topic, source_partition=partition, source_offset=offset,
             detail=f"lag {lag} > max_staleness {self.cfg.max_staleness}: behaviour version {t['policy_version']}, "
                    f"trained version {self.state.version} (run {self.run}); span {t['span_id']}")
-
-        async def send() -> None:
-            if self._dead_producer is None:
-                producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True)
-                await producer.start()
-                self._dead_producer = producer
-            try:
-                await asyncio.wait_for(self._dead_producer.send_and_wait(
-                    self.cfg.dead_letter_topic, encode("dead_letter", record), key=t["rollout_id"].encode()), 60)
-            except BaseException:
-                producer, self._dead_producer = self._dead_producer, None  # a fresh one for the retry
-                await producer.stop()
-                raise
-
-        await self._retry(f"dead-letter stale sample {partition}:{offset}", send)
+        await self._retry(f"dead-letter stale sample {partition}:{offset}",
+                          lambda: self._send_dead_letter(t["rollout_id"], record))
         for acc in (self.state.staleness, self._since_parent):
             acc["refused"] += 1
         self.emit({"event": "stale_sample", "run": self.run, "partition": partition, "offset": offset, "lag": lag,
                    "behaviour_version": t["policy_version"], "version": self.state.version})
+
+    async def _send_dead_letter(self, rollout_id: str, record: dict) -> None:
+        """One dead letter (decoded dead_letter.v1) to the dead-letter topic, keyed by rollout id,
+        acked by Kafka (idempotent producer; a failed send drops the producer for the retry)."""
+        from aiokafka import AIOKafkaProducer
+
+        from spanrl.schemas.codec import encode
+
+        if self._dead_producer is None:
+            producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True)
+            await producer.start()
+            self._dead_producer = producer
+        try:
+            await asyncio.wait_for(self._dead_producer.send_and_wait(
+                self.cfg.dead_letter_topic, encode("dead_letter", record), key=rollout_id.encode()), 60)
+        except BaseException:
+            producer, self._dead_producer = self._dead_producer, None  # a fresh one for the retry
+            await producer.stop()
+            raise
 
     def status(self) -> dict:
         return asdict(self.state)

@@ -13,7 +13,7 @@ import torch
 import deepspeed  # noqa: E402,F401  (installed by infra/bootstrap.sh)
 from tiny_models import tiny_qwen2  # noqa: E402
 
-from spanrl.trainer import losses  # noqa: E402
+from spanrl.stream_jobs.credit import grpo_advantages  # noqa: E402
 from spanrl.trainer.train import build_engine, train_update  # noqa: E402
 
 VOCAB, TARGET, PROMPT_LEN, COMP_LEN = 64, 7, 4, 6
@@ -39,7 +39,8 @@ def rollout(model, gen: torch.Generator, step: int):
     completions, behaviour = ids[:, PROMPT_LEN:], torch.cat(logps, 1)
     rewards = (completions == TARGET).float().mean(1)
     group_ids = [i // GROUP_SIZE for i in range(len(rewards))]
-    adv = losses.grpo_advantages(rewards, group_ids)
+    adv = [a for g in range(GROUPS)  # the stream job's GRPO advantages, group by group
+           for a in grpo_advantages(rewards[g * GROUP_SIZE:(g + 1) * GROUP_SIZE].tolist())]
     samples = [{
         "advantage": float(adv[i]),
         "transition": {"prompt_token_ids": prompts[i].tolist(), "completion_token_ids": completions[i].tolist(),

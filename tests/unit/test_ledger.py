@@ -1,10 +1,11 @@
 """spanrl.infra.ledger: the chaos run's accounting (exact counts on hand-built records)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from spanrl.infra.ledger import account, advantage_mismatches, dead_letter_scope, known_reward
-from spanrl.stream_jobs.credit import grpo_advantages
 
 RA, RB, RC = "a000" + "0" * 28, "a001" + "0" * 28, "a002" + "0" * 28  # known rewards 0, .25, .5
 
@@ -40,7 +41,7 @@ def test_dead_letter_scope_reads_attempt_and_span():
 def test_clean_run_balances():
     calls = [call(RA, "1" * 16), call(RA, "2" * 16), call(RB, "3" * 16), call(RC, "4" * 16)]
     ts = [transition(RA, "1" * 16), transition(RA, "2" * 16), transition(RB, "3" * 16)]
-    adv = grpo_advantages([0.0, 0.25])
+    adv = [-0.125 / (0.125 + 1e-6), 0.125 / (0.125 + 1e-6)]  # (R - 0.125) / (0.125 + eps)
     samples = [sample(ts[0], "t/0", adv[0]), sample(ts[1], "t/0", adv[0]), sample(ts[2], "t/0", adv[1])]
     dead = [{"rollout_id": RC, "reason": "rollout_failed_no_reward", "detail": "attempt 0: status failed, ..."}]
     events = [{"rollout_id": r, "attempt_id": "0", "status": s} for r, s in
@@ -79,10 +80,13 @@ def test_missing_duplicated_and_unacknowledged_are_counted():
 
 def test_advantage_recomputed_per_group():
     ta, tb, tc = transition(RA, "1" * 16), transition(RB, "2" * 16), transition(RC, "3" * 16)
-    a = grpo_advantages([0.0, 0.25, 0.5])
+    std = math.sqrt(0.125 / 3)  # returns 0, .25, .5: mean .25, population variance (.0625 * 2) / 3
+    a = [-0.25 / (std + 1e-6), 0.0, 0.25 / (std + 1e-6)]
     good = [sample(ta, "t/0", a[0]), sample(tb, "t/0", a[1]), sample(tc, "t/0", a[2])]
     assert advantage_mismatches(good) == 0
     assert a[0] == pytest.approx(-1.2247, abs=1e-4)
+    off = [sample(ta, "t/0", a[0]), sample(tb, "t/0", a[1]), sample(tc, "t/0", a[2] * (1 - 1e-3))]
+    assert advantage_mismatches(off) == 1  # a formula that is 0.1 % off is caught
     bad = [sample(ta, "t/0", a[0]), sample(tb, "t/0", a[1]), sample(tc, "t/1", 0.0)]  # tc alone in its group
     assert advantage_mismatches(bad) == 2  # ta, tb now form a 2-member group: advantages -1, +1
 
@@ -91,9 +95,10 @@ def test_late_members_are_recomputed_against_the_group_before_them():
     """Returns 0 and .25 closed the group (2 rollouts); .5 joined late (3), then 1.0 (4)."""
     ta, tb, tc = transition(RA, "1" * 16), transition(RB, "2" * 16), transition(RC, "3" * 16)
     td = transition("0004" + "0" * 28, "4" * 16)
-    on_time = grpo_advantages([0.0, 0.25])
-    late_c = grpo_advantages([0.0, 0.25, 0.5])[-1]
-    late_d = grpo_advantages([0.0, 0.25, 0.5, 1.0])[-1]
+    on_time = [-0.125 / (0.125 + 1e-6), 0.125 / (0.125 + 1e-6)]
+    late_c = 0.25 / (math.sqrt(0.125 / 3) + 1e-6)  # against 0, .25, .5: mean .25
+    # against 0, .25, .5, 1: mean .4375, population variance (.19141 + .03516 + .00391 + .31641) / 4
+    late_d = (1.0 - 0.4375) / (math.sqrt(0.546875 / 4) + 1e-6)
     good = [{**sample(ta, "t/0", on_time[0]), "group_rollouts": 2}, {**sample(tb, "t/0", on_time[1]), "group_rollouts": 2},
             {**sample(tc, "t/0", late_c), "group_rollouts": 3}, {**sample(td, "t/0", late_d), "group_rollouts": 4}]
     assert advantage_mismatches(good) == 0

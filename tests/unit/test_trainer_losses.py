@@ -68,9 +68,7 @@ def test_token_logprobs_tiny_logits():
     assert torch.allclose(out, torch.tensor([[0.0, 0.0, math.log(0.5)]]), atol=1e-6)
 
 
-def test_grpo_and_reinforce_pp_advantages():
-    adv = losses.grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), ["a", "a", "b", "b"])
-    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-5)
+def test_reinforce_pp_advantages():
     adv = losses.reinforce_pp_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-5)
 

@@ -42,12 +42,12 @@ def _trainer(monkeypatch, tmp_path, **cfg):
     t = train.Trainer(train.TrainerConfig(run="unit", http=False, log_path=tmp_path / "t.jsonl", **cfg))
     refused = []
 
-    async def dead(partition, offset, sample, lag):  # Kafka's part is the integration test's
-        refused.append((partition, offset, lag))
-        for acc in (t.state.staleness, t._since_parent):
-            acc["refused"] += 1
+    async def send(rollout_id, record):  # only Kafka's part is faked (the integration test's)
+        lag = int(record["detail"].split()[1])
+        assert record["reason"] == "stale_sample" and record["stage"] == "trainer"
+        refused.append((record["source_partition"], record["source_offset"], lag))
 
-    monkeypatch.setattr(t, "_dead_letter_stale", dead)
+    monkeypatch.setattr(t, "_send_dead_letter", send)
     return t, refused
 
 
