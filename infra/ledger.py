@@ -208,7 +208,7 @@ def advantage_mismatches(samples: list[dict], eps: float = 1e-6, acc: Account | 
         closed = min(n for n, _ in members.values())
         order = sorted(m for m, (n, _) in members.items() if n == closed)
         returns = [members[m][1] for m in order]
-        for m, R in zip(order, list(returns)):
+        for m, R in zip(order, returns):
             expected[(gid, *m)] = expected_advantage(returns, R, eps)
         for m in sorted((m for m in members if members[m][0] > closed), key=lambda m: members[m][0]):
             returns.append(members[m][1])

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 DATASET = "gsm_symbolic"
@@ -146,37 +148,29 @@ ARITH_ONE_STEP = "arith_word_mul_add_sub"
 BALANCED_SETS = {ARITH_BALANCED: ("arith-balanced", KINDS), ARITH_ONE_STEP: (ARITH_ONE_STEP, ("mul", "add", "sub"))}
 
 
-def _balanced_loader(name: str):
+def load_balanced_tasks(name: str, seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, Any]]:
+    """Tasks of the balanced set ``name`` (a key of :data:`BALANCED_SETS`): like
+    :func:`load_arith_tasks`, but item ``idx`` is of kind ``kinds[idx % len(kinds)]``, so the kind
+    mix of one main-job iteration (6 consecutive items) does not drift from iteration to
+    iteration. ``task_id`` ``{name}-{seed}-{idx}``; numbers from their own generator (``disjoint``
+    checks questions against other sets). KeyError for another name, ValueError for ``size <= 0``."""
+    import random
+
     prefix, kinds = BALANCED_SETS[name]
-
-    def load(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, Any]]:
-        import random
-
-        if size <= 0:
-            raise ValueError("size must be positive")
-        tasks = []
-        for idx in range(size):
-            question, answer, expression, kind = _arith_item(random.Random(f"{prefix}-{seed}-{idx}"),
-                                                             kinds[idx % len(kinds)])
-            tasks.append({"task_id": f"{name}-{seed}-{idx}", "question": question, "answer": str(answer),
-                          "metadata": {"source_dataset": name, "seed": seed, "source_index": idx,
-                                       "expression": expression, "kind": kind}})
-        return tasks
-
-    load.__name__ = f"load_{name}_tasks"
-    load.__doc__ = (f"Like :func:`load_arith_tasks`, but item ``idx`` is of kind ``{kinds}[idx % {len(kinds)}]``, "
-                    "so the kind mix of one main-job iteration (6 consecutive items) does not drift from "
-                    f"iteration to iteration. ``task_id`` ``{name}-{{seed}}-{{idx}}``; numbers from their own "
-                    "generator (``disjoint`` checks questions against other sets). ValueError for ``size <= 0``.")
-    return load
+    if size <= 0:
+        raise ValueError("size must be positive")
+    tasks = []
+    for idx in range(size):
+        question, answer, expression, kind = _arith_item(random.Random(f"{prefix}-{seed}-{idx}"),
+                                                         kinds[idx % len(kinds)])
+        tasks.append({"task_id": f"{name}-{seed}-{idx}", "question": question, "answer": str(answer),
+                      "metadata": {"source_dataset": name, "seed": seed, "source_index": idx,
+                                   "expression": expression, "kind": kind}})
+    return tasks
 
 
-load_arith_balanced_tasks = _balanced_loader(ARITH_BALANCED)
-load_arith_one_step_tasks = _balanced_loader(ARITH_ONE_STEP)
-
-
-TASK_SETS = {ARITH: load_arith_tasks, ARITH_BALANCED: load_arith_balanced_tasks,
-             ARITH_ONE_STEP: load_arith_one_step_tasks, DATASET: load_tasks}
+TASK_SETS = {ARITH: load_arith_tasks, DATASET: load_tasks,
+             **{name: functools.partial(load_balanced_tasks, name) for name in BALANCED_SETS}}
 
 
 def load_task_set(name: str, seed: int, size: int) -> list[dict[str, Any]]:

@@ -38,7 +38,8 @@ def test_every_id_the_project_generates_passes():
     rollouts = [uuid.uuid4().hex, production.mint_rollout_id(), "chat-42", f"js-{uuid.uuid4().hex[:12]}"]
     tasks = [make_task({"q": 1})["task_id"], math_tasks.task_id(1000, 199), "faq/refunds",
              f"partition-{uuid.uuid4().hex[:6]}-t3"]  # infra/chaos.py's
-    tasks += [t["task_id"] for t in math_tasks.load_arith_tasks(0, 30) + math_tasks.load_arith_balanced_tasks(0, 30)]
+    tasks += [t["task_id"] for t in math_tasks.load_arith_tasks(0, 30) + [
+        t for name in math_tasks.BALANCED_SETS for t in math_tasks.load_balanced_tasks(name, 0, 30)]]
     tasks += [t["task_id"] for db in ("chinook", "world") for t in sql_tasks.pool(db)]
     tasks += [t["task_id"] for t in rag_tasks.all_tasks()]
     assert {"arith_word-0-12", "sql-chinook-tracks_of_artist-121", "gsm_symbolic-1000-199"} <= set(tasks)
