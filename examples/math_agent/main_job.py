@@ -345,6 +345,38 @@ def _logprob_under_served(s: Settings, prompt_ids: list[int], completion_ids: li
     return total
 
 
+def logprob_shift(samples: list[dict], logprob_of) -> dict[str, dict]:
+    """How far the policy moved on completions it was trained on, split by advantage sign.
+
+    For every sample with a non-empty completion, all of them (the result must not depend
+    on the order samples arrived in), the token-weighted mean log-prob per token under the
+    behaviour policy (``behaviour_logprobs``, recorded by the proxy when the completion was
+    sampled) and under the policy served now (``logprob_of(prompt_ids, completion_ids)``,
+    the summed log-prob in nats). A policy-gradient step should raise the likelihood of
+    positive-advantage completions (``delta`` > 0) and lower that of negative ones.
+
+    Args:
+        samples: ``sample`` records (schemas/avro/sample.v2) as dicts.
+        logprob_of: callable returning the summed log p(completion | prompt), nats.
+    Returns:
+        ``{"positive"|"negative": {"completions", "tokens", "mean_logprob_behaviour",
+        "mean_logprob_final", "delta"}}``, a sign absent when no sample has it; units nats/token.
+    """
+    out: dict[str, dict] = {}
+    with_tokens = [x for x in samples if x["transition"]["completion_token_ids"]]
+    for sign, keep in (("positive", lambda a: a > 0), ("negative", lambda a: a < 0)):
+        chosen = [x for x in with_tokens if keep(x["advantage"])]
+        if not chosen:
+            continue
+        n_tok = sum(len(x["transition"]["completion_token_ids"]) for x in chosen)
+        before = sum(sum(x["transition"]["behaviour_logprobs"]) for x in chosen) / n_tok
+        after = sum(logprob_of(x["transition"]["prompt_token_ids"], x["transition"]["completion_token_ids"])
+                    for x in chosen) / n_tok
+        out[sign] = {"completions": len(chosen), "tokens": n_tok, "mean_logprob_behaviour": before,
+                     "mean_logprob_final": after, "delta": after - before}
+    return out
+
+
 #: held-out evaluation modes: the temperature every call gets (None: the agent's own)
 HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
 
@@ -445,18 +477,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
 
     # Did the served policy change? Mean per-token log-prob of iteration 0's completions
     # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
-    shift = {}
-    first = [x for x in results[0]._samples if x["transition"]["completion_token_ids"]] if results else []
-    for sign, keep in (("positive", lambda a: a > 0), ("negative", lambda a: a < 0)):
-        chosen = [x for x in first if keep(x["advantage"])][:8]
-        if not chosen:
-            continue
-        n_tok = sum(len(x["transition"]["completion_token_ids"]) for x in chosen)
-        before = sum(sum(x["transition"]["behaviour_logprobs"]) for x in chosen) / n_tok
-        after = sum(_logprob_under_served(s, x["transition"]["prompt_token_ids"],
-                                          x["transition"]["completion_token_ids"]) for x in chosen) / n_tok
-        shift[sign] = {"completions": len(chosen), "tokens": n_tok, "mean_logprob_behaviour": before,
-                       "mean_logprob_final": after, "delta": after - before}
+    shift = logprob_shift(results[0]._samples if results else [],
+                          lambda p, c: _logprob_under_served(s, p, c))
 
     final_version = _served_version(s)
     heldout: dict[str, dict] = {}

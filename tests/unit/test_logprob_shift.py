@@ -1,0 +1,57 @@
+"""The main job's log-prob-shift check (examples/math_agent/main_job.logprob_shift)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from examples.math_agent.main_job import logprob_shift
+
+
+def _sample(adv: float, prompt: list[int], completion: list[int], behaviour: list[float]) -> dict:
+    return {"advantage": adv, "transition": {"prompt_token_ids": prompt, "completion_token_ids": completion,
+                                             "behaviour_logprobs": behaviour}}
+
+
+# summed log-prob under the "final" policy: -0.1 per completion token, whatever the prompt
+def _final(prompt_ids, completion_ids):
+    return -0.1 * len(completion_ids)
+
+
+SAMPLES = [
+    _sample(+1.0, [1], [5, 6], [-0.5, -0.3]),          # positive, 2 tokens, behaviour sum -0.8
+    _sample(+0.5, [2], [7, 8, 9, 10], [-0.2] * 4),     # positive, 4 tokens, behaviour sum -0.8
+    _sample(-1.0, [3], [11], [-0.05]),                 # negative, 1 token
+    _sample(0.0, [4], [12, 13], [-1.0, -1.0]),         # zero advantage: in neither
+    _sample(+2.0, [5], [], []),                        # no completion tokens: skipped
+]
+
+
+def test_token_weighted_means_over_every_completion_of_each_sign():
+    out = logprob_shift(SAMPLES, _final)
+    pos, neg = out["positive"], out["negative"]
+    assert (pos["completions"], pos["tokens"]) == (2, 6)
+    assert pos["mean_logprob_behaviour"] == pytest.approx(-1.6 / 6)
+    assert pos["mean_logprob_final"] == pytest.approx(-0.6 / 6)
+    assert pos["delta"] == pytest.approx(1.0 / 6)
+    assert (neg["completions"], neg["tokens"]) == (1, 1)
+    assert neg["delta"] == pytest.approx(-0.1 - -0.05)
+
+
+def test_the_result_does_not_depend_on_the_order_samples_arrived_in():
+    many = [_sample(random.Random(i).choice([-1.0, 1.0]), [i], list(range(1 + i % 5)), [-0.01 * i] * (1 + i % 5))
+            for i in range(40)]
+    want = logprob_shift(many, _final)
+    shuffled = list(many)
+    random.Random(7).shuffle(shuffled)
+    got = logprob_shift(shuffled, _final)
+    assert got.keys() == want.keys() == {"positive", "negative"}
+    for sign in want:
+        assert got[sign]["completions"] == want[sign]["completions"]
+        assert got[sign]["delta"] == pytest.approx(want[sign]["delta"])
+    assert want["positive"]["completions"] + want["negative"]["completions"] == 40
+
+
+def test_a_sign_with_no_samples_is_absent():
+    assert logprob_shift([_sample(1.0, [1], [2], [-0.5])], _final).keys() == {"positive"}
+    assert logprob_shift([], _final) == {}
