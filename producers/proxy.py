@@ -59,7 +59,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.producers import claims, edge, ids, messages, production, responses, seeding, streaming
+from spanrl.producers import (claims, edge, ids, messages, production, response_ids, responses, seeding,
+                              streaming)
 from spanrl.producers import metrics as prom
 from spanrl.producers.edge import BadRequest
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
@@ -511,6 +512,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             metrics[f"vllm_http_{upstream.status_code}"] += 1
             return Response(upstream.content, upstream.status_code, media_type="application/json")
         response = upstream.json()
+        if isinstance(response, dict):  # the id names the attempt (producers/response_ids.py)
+            response["id"] = response_ids.mint(str(response.get("id") or ""), ctx.rollout_id, ctx.attempt_id)
         try:
             await record(ctx, response)
         except RecordFailed as exc:
@@ -630,8 +633,13 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             if vllm_lost(exc) and policy.vllm_unreachable():
                 log.warning("vLLM lost mid-stream (%r): policy version unsynced until the reloader posts one", exc)
 
+        def named(chunk: dict) -> dict:  # every chunk's id names the attempt (producers/response_ids.py)
+            if "id" in chunk:
+                chunk["id"] = response_ids.mint(str(chunk["id"] or ""), ctx.rollout_id, ctx.attempt_id)
+            return chunk
+
         relay = streaming.Relay(ctx.endpoint, upstream.aiter_lines(), forward, recorded, interrupted,
-                                upstream.aclose, lost, fail_event)
+                                upstream.aclose, lost, fail_event, edit=named)
         return streaming.EventStreamResponse(streaming.relay(relay, (httpx.TransportError,)),
                                              headers={"cache-control": "no-cache"})
 

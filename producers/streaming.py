@@ -275,7 +275,8 @@ class Relay:
     early (one dead letter); ``close()``: closes the upstream response (vLLM aborts the
     request when its client goes); ``lost(exc)``: told of a transport error mid-stream;
     ``fail_event(reason, message, status)``: the bytes a failed stream ends with (default
-    :func:`error_event`, chat/completions' shape; another API passes its own).
+    :func:`error_event`, chat/completions' shape; another API passes its own); ``edit(chunk)
+    -> chunk``: applied to each chunk before it is assembled and forwarded.
     """
 
     endpoint: str
@@ -286,6 +287,8 @@ class Relay:
     close: Callable[[], Awaitable[None]]
     lost: Callable[[Exception], None] = lambda exc: None
     fail_event: Callable[[str, str, int], bytes] = error_event
+    #: applied to every upstream chunk before it is assembled and forwarded (None: as it is)
+    edit: Callable[[dict], dict] | None = None
 
 
 async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()) -> AsyncIterator[bytes]:
@@ -320,6 +323,8 @@ async def relay(r: Relay, transport_errors: tuple[type[BaseException], ...] = ()
                         yield r.fail_event(str(err.get("type") or VLLM_STREAM_FAILED), str(err.get("message", "")),
                                            int(err["code"]) if isinstance(err.get("code"), int) else 502)
                         return
+                    if r.edit is not None:
+                        chunk = r.edit(chunk)
                     acc.add(chunk)
                     out = r.forward(chunk)
                     if out:

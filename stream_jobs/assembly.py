@@ -106,7 +106,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from spanrl.producers import production
+from spanrl.producers import production, response_ids
 from spanrl.stream_jobs import air
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
@@ -346,6 +346,9 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
         a = _attempt(state, aid, now_ms)
         if parent or agent:
             a.setdefault("links", {})[sid] = [parent, agent]
+        described = (span.get("attributes") or {}).get(response_ids.JOINED_RESPONSE_ID)
+        if described:  # the framework's span of the call answered with this id: the call's parent
+            a.setdefault("links", {})[response_ids.LINK_PREFIX + described] = [sid, None]
         if facts:
             a.setdefault("facts", {})[sid] = [span.get("start_time_unix_nano"), *facts]
         out.changed = True
@@ -380,7 +383,8 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
             reason, dl.ASSEMBLER, now_ms, rollout_id=rid, task_id=a["task_id"], detail=detail))
         return out
     a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name"),
-                       "parent": span.get("parent_span_id"), "end_ns": span.get("end_time_unix_nano")}
+                       "parent": span.get("parent_span_id") or response_ids.call_link(span.get("attributes")),
+                       "end_ns": span.get("end_time_unix_nano")}
     if at is not None:
         a["calls"][sid]["at"] = list(at)
     if at is None or a.get("parked_ms") is None:  # a parked attempt holds no token data

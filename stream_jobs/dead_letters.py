@@ -24,6 +24,7 @@ LATE_SPAN = "late_span"                        # llm call of an attempt already 
 LATE_REWARD = "late_reward"                    # reward for an attempt already emitted/dead-lettered
 # --- joiner (stage "joiner") ---
 NO_ROLLOUT_ID = "no_rollout_id"                # orphan span: no proxy call of its trace in time
+AMBIGUOUS_JOIN = "ambiguous_join"              # orphan span whose response id and traceparent name different attempts
 # --- grouper (stage "grouper") ---
 GROUP_INCOMPLETE = "group_incomplete"          # rollout still incomplete when its group closed
 SUPERSEDED_ATTEMPT = "superseded_attempt"      # another attempt of the same rollout is in the group

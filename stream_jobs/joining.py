@@ -63,11 +63,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
+from spanrl.producers import response_ids
 from spanrl.schemas import codec
 from spanrl.stream_jobs import dead_letters as dl
 
 #: attribute of a joined span: its rollout came from the trace join, not from the agent
 JOINED_BY = "spanrl.joined_by"
+#: attribute of a span joined by its response id: that id (the call it describes)
+JOINED_RESPONSE_ID = response_ids.JOINED_RESPONSE_ID
 #: attribute of a joined span whose orphan record was a claim (oversize): the full record
 ORPHAN_PAYLOAD_REF = "spanrl.orphan_payload_ref"
 #: newest entries kept of a trace's attempts, call parents and settled span ids
@@ -138,15 +141,19 @@ def store_key(trace_id: str, span_id: str) -> str:
     return f"{trace_id}|{span_id}"
 
 
-def joined_span(span: dict, rollout_id: str, attempt_id: str) -> dict:
+def joined_span(span: dict, rollout_id: str, attempt_id: str, response_id: str | None = None) -> dict:
     """The orphan ``span`` (decoded span.v1) as a span of attempt ``(rollout_id,
     attempt_id)``: those two set, everything else kept (span id, parent, agent name,
     attributes) but ``llm`` (context, never a call: module doc), plus attribute
-    :data:`JOINED_BY` = ``"trace"``. A claim record (``payload_ref``) becomes a plain
+    :data:`JOINED_BY` = ``"trace"``, or ``"response_id"`` for a span that named its attempt
+    through a minted response id ``response_id`` (kept in :data:`JOINED_RESPONSE_ID`: the
+    assembler links the call of that id to this span, producers/response_ids.py). A claim record (``payload_ref``) becomes a plain
     small span with the reference in attribute :data:`ORPHAN_PAYLOAD_REF`: its identity
     fields, all a link needs, are in the small record, and the full record in MinIO stays
     the orphan's (its rollout id is empty, so it is not the joined span's claim)."""
-    attributes = {**(span.get("attributes") or {}), JOINED_BY: "trace"}
+    attributes = {**(span.get("attributes") or {}), JOINED_BY: "response_id" if response_id else "trace"}
+    if response_id:
+        attributes[JOINED_RESPONSE_ID] = response_id
     if span.get("payload_ref"):
         attributes[ORPHAN_PAYLOAD_REF] = span["payload_ref"]
     return {**span, "rollout_id": rollout_id, "attempt_id": attempt_id, "attributes": attributes,
@@ -158,7 +165,7 @@ def _touch(state: dict, now_ms: int) -> None:
 
 
 def add_orphan(state: dict, span: dict, raw: bytes, offset: int | None, store: MutableMapping,
-               now_ms: int) -> JoinOutcome:
+               now_ms: int, config: JoinConfig = JoinConfig()) -> JoinOutcome:
     """One span of ``orphan-spans`` (``span`` decoded, ``raw`` its record as read, at
     ``offset``): joined at once to its attempt (:func:`attempt_of`), or, while the trace
     has none, kept waiting in ``store``."""
@@ -166,11 +173,28 @@ def add_orphan(state: dict, span: dict, raw: bytes, offset: int | None, store: M
     sid = span["span_id"]
     if sid in state["waiting"] or sid in state["settled"]:
         return out  # re-delivered
+    response_id = response_ids.from_attributes(span.get("attributes"))
+    named = response_ids.attempt_of(response_id)
+    if named is not None:  # the framework's LLM span of a proxy call: it names its attempt itself
+        known = state["parents"].get(sid)
+        if known is not None and known != list(named):
+            _touch(state, now_ms)
+            _remember(state["settled"], sid)
+            out.changed = True
+            out.dead_letters.append(dl.dead_letter(
+                dl.AMBIGUOUS_JOIN, dl.JOINER, now_ms, payload=raw, source_topic=config.orphan_topic,
+                source_partition=state["partition"], source_offset=offset,
+                detail=f"span {sid} of trace {state['trace_id']}: its response id names attempt "
+                       f"{named[1]} of rollout {named[0]}, its traceparent links attempt {known[1]} of "
+                       f"rollout {known[0]}; not joined to either"))
+            return out
+        out = add_link(state, {"rollout_id": named[0], "attempt_id": named[1], "parent_span_id": sid},
+                       store, now_ms)
     _touch(state, now_ms)
     out.changed = True
     attempt = attempt_of(state, sid)
     if attempt is not None:
-        out.spans = [joined_span(span, *attempt)]
+        out.spans.append(joined_span(span, *attempt, response_id=response_id if named is not None else None))
         _remember(state["settled"], sid)
         return out
     state["waiting"][sid] = {"since_ms": int(now_ms), "offset": offset}

@@ -653,6 +653,74 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
         "trace_links_out": 1, "trace_links_in": 1, "orphans_in": 3, "spans_joined": 2, "transitions_out": 1}
 
 
+#: an agent with its own OpenTelemetry set-up and no spanrl code (issue 23 item 4): OpenInference's
+#: OpenAI instrumentor, a plain TracerProvider, openai 3.x, which sends no traceparent; run in a
+#: fresh interpreter, so no patch of this test process (propagate_trace_context) reaches it
+NO_SPANRL_AGENT = """
+import json, sys
+import openai
+from openinference.instrumentation.openai import OpenAIInstrumentor
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+proxy, bridge, rid, model = sys.argv[1:5]
+provider = TracerProvider(resource=Resource.create({"service.name": "no-spanrl-agent"}))
+provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=bridge + "/v1/traces")))
+OpenAIInstrumentor().instrument(tracer_provider=provider)
+client = openai.OpenAI(base_url=proxy + "/rollouts/" + rid + "/attempts/a0/v1", api_key="unused")
+with provider.get_tracer("no-spanrl-agent").start_as_current_span("invoke_agent planner", attributes={
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "planner"}):
+    answer = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                            messages=[{"role": "user", "content": "Say hi."}])
+assert provider.force_flush(30000)
+print(json.dumps({"id": answer.id, "content": answer.choices[0].message.content}))
+"""
+
+
+def test_framework_spans_without_traceparent_join_by_the_minted_response_id(tmp_path, kafka_minio, settings):
+    """The agent above: its HTTP request carries no traceparent, so the proxy's record of the
+    call has no parent and no trace link is written; the framework's LLM span carries the
+    answer's id (OpenInference's output.value), which names the attempt
+    (producers/response_ids.py): it joins by that id, the agent span joins through the trace,
+    and the call's one transition takes its agent from them."""
+    kafka_minio.start("vllm")
+    with _private_pipeline(tmp_path, SPANRL_ORPHAN_TIMEOUT_S="30") as p:
+        rid = f"nojoin-{p.suffix}"
+        run = subprocess.run([sys.executable, "-c", NO_SPANRL_AGENT, p.proxy_url, p.bridge_url, rid,
+                              settings.model_name], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        answer = json.loads(run.stdout.strip().splitlines()[-1])
+        joined = asyncio.run(_read(p.names, ("spans",), lambda g: len(g["spans"]) >= 3, 60))["spans"]
+        asyncio.run(_produce([_lifecycle(p.names, rid, "started"), _lifecycle(p.names, rid, "succeeded"),
+                              _reward(p.names, rid, 1.0)]))
+        got = asyncio.run(_read(p.names, ("spans", "transitions", "call-accounts"),
+                                lambda g: g["transitions"] and g["call-accounts"], 60))
+        counters = _counters(p.web_port)
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-3000:]
+    assert answer["id"].endswith(f"~spanrl~{rid}~a0"), answer
+
+    [call] = [s for s in got["spans"] if s["source"] == "proxy"]
+    assert call["parent_span_id"] is None and call["attributes"]["gen_ai.response.id"] == answer["id"]
+    others = sorted((s for s in got["spans"] if s["source"] != "proxy"), key=lambda s: s["name"])
+    assert len(joined) == 3, (joined, worker_log)
+    assert [(s["name"], s["rollout_id"], s["attempt_id"], s["attributes"]["spanrl.joined_by"]) for s in others] == [
+        ("ChatCompletion", rid, "a0", "response_id"), ("invoke_agent planner", rid, "a0", "trace")], worker_log
+    llm_span, agent_span = others
+    assert llm_span["trace_id"] == agent_span["trace_id"] != call["trace_id"]  # no shared trace: no propagation
+    assert llm_span["attributes"]["spanrl.joined_response_id"] == answer["id"]
+
+    [t] = got["transitions"]
+    assert (t["rollout_id"], t["span_id"], t["agent_name"], t["reward"]) == (rid, call["span_id"], "planner", 1.0)
+    assert t["completion_token_ids"] == call["llm"]["completion_token_ids"]
+    [account] = got["call-accounts"]
+    assert [(c["span_id"], c["agent_name"], c["agent_source"]) for c in account["calls"]] == [
+        (call["span_id"], "planner", "telemetry")]
+    assert {k: counters[k] for k in ("trace_links_out", "orphans_in", "spans_joined")} == {
+        "trace_links_out": 0, "orphans_in": 2, "spans_joined": 2}, counters
+
+
 def test_acked_terminal_event_is_emitted_without_the_settle_wait(tmp_path, kafka_minio):
     """A terminal event with inputs_acked (sent, as the runner does, after its spans and reward
     were acknowledged) is emitted once the worker has read the spans/rewards partitions up to

@@ -367,7 +367,7 @@ def test_proxy_streams_messages_and_records_the_call():
     seen, final = sdk_final(sse)
     assert (final.content[0].input, final.stop_reason, final.usage.input_tokens, final.usage.output_tokens) == (
         {"city": "Paris"}, "tool_use", 182, 32)
-    assert final.id == span["attributes"]["gen_ai.response.id"] == "chatcmpl-897db024ec8a8c0f"
+    assert final.id == span["attributes"]["gen_ai.response.id"] == "chatcmpl-897db024ec8a8c0f~spanrl~r1~0"
 
 
 def test_proxy_stream_without_the_ack_ends_with_an_error_event():

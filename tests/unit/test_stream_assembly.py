@@ -514,3 +514,17 @@ def test_air_return_to_go_and_unselected_causes():
 def test_without_air_rules_transitions_are_as_before():
     out, _, _ = run(air_events(), cfg=assembly.AssemblyConfig(settle_s=0))
     assert [(t["reward"], t["intermediate_reward"], t["air_rules"]) for t in out.transitions] == [(1.0, 0.0, "")] * 3
+
+
+def test_a_call_without_traceparent_takes_its_agent_from_the_span_joined_by_its_response_id():
+    """The proxy's record of a call made with no traceparent has no parent; its minted response
+    id links it to the framework's LLM span joined by that id, whose parent names the agent."""
+    from spanrl.producers import response_ids
+
+    minted = response_ids.mint("chatcmpl-5", "r1", "0")
+    call = {"sequence_id": 0, "agent_name": None, "end_ns": 1,
+            "parent": response_ids.call_link({"gen_ai.response.id": minted})}
+    assert call["parent"] == "response:" + minted
+    links = {"response:" + minted: ["f" * 16, None], "f" * 16: ["a" * 16, None], "a" * 16: [None, "planner"]}
+    assert assembly.resolve_agent(call, links) == ("planner", "telemetry")
+    assert assembly.resolve_agent(call, {}) == (None, "unresolved")  # the framework span never came

@@ -179,3 +179,53 @@ def test_stream_config_reads_the_join_settings_and_a_replay_app_has_no_join():
     replay = make_app(StreamConfig(app_id="unit-replay", join_traces=False))  # what infra/replay.py runs
     assert sorted(a.split(".")[-1] for a in live.agents) == ["assemble", "group", "join"]
     assert sorted(a.split(".")[-1] for a in replay.agents) == ["assemble", "group"]
+
+
+def _named(sid, rid, aid, parent=None, how="gen_ai"):
+    """The framework's LLM span of a call answered with a minted id (no traceparent needed)."""
+    import json
+
+    from spanrl.producers import response_ids
+
+    rid_ = response_ids.mint("chatcmpl-77", rid, aid)
+    attrs = {"gen_ai.response.id": rid_} if how == "gen_ai" else {
+        "output.value": json.dumps({"id": rid_, "choices": []}), "output.mime_type": "application/json"}
+    return orphan(sid, parent=parent, attributes=attrs)
+
+
+def test_a_span_naming_its_attempt_by_response_id_joins_and_releases_its_trace():
+    """No trace link ever comes (the client sent no traceparent): the agent span waits; the
+    LLM span's minted response id names attempt r7/1, so both join it, in arrival order."""
+    state, store = joining.new_state(TID, 1), {}
+    agent = orphan("a" * 16, name="agent run", kind="agent", agent="planner")
+    assert joining.add_orphan(state, agent, codec.encode("span", agent), 4, store, 1 * S, CFG).spans == []
+    llm = _named("b" * 16, "r7", "1", parent="a" * 16, how="openinference")
+    out = joining.add_orphan(state, llm, codec.encode("span", llm), 5, store, 2 * S, CFG)
+    assert out.dead_letters == [] and out.changed
+    assert [(s["span_id"], s["rollout_id"], s["attempt_id"], s["attributes"]["spanrl.joined_by"]) for s in out.spans] \
+        == [("a" * 16, "r7", "1", "trace"), ("b" * 16, "r7", "1", "response_id")]
+    assert out.spans[1]["attributes"]["spanrl.joined_response_id"] == "chatcmpl-77~spanrl~r7~1"
+    assert out.spans[0]["agent_name"] == "planner" and store == {} and state["waiting"] == {}
+    assert state["attempts"] == [["r7", "1"]] and state["parents"] == {"b" * 16: ["r7", "1"]}
+    # a later span of the trace joins the same attempt at once; a re-delivery changes nothing
+    assert [s["rollout_id"] for s in feed(state, store, "c" * 16, 3 * S, offset=6).spans] == ["r7"]
+    again = joining.add_orphan(state, llm, codec.encode("span", llm), 5, store, 4 * S, CFG)
+    assert (again.spans, again.dead_letters, again.changed) == ([], [], False)
+
+
+def test_response_id_and_traceparent_naming_different_attempts_is_dead_lettered_not_guessed():
+    state, store = joining.new_state(TID, 3), {}
+    joining.add_link(state, link("r1", "0", parent="b" * 16), store, 1 * S)  # the proxy saw b's traceparent
+    llm = _named("b" * 16, "r2", "0")
+    raw = codec.encode("span", llm)
+    out = joining.add_orphan(state, llm, raw, 9, store, 2 * S, CFG)
+    assert out.spans == [] and out.changed and state["settled"] == ["b" * 16]
+    [d] = out.dead_letters
+    assert (d["reason"], d["stage"], d["source_topic"], d["source_partition"], d["source_offset"], d["payload"]) == (
+        "ambiguous_join", "joiner", "orphan-spans", 3, 9, raw)
+    assert "names attempt 0 of rollout r2, its traceparent links attempt 0 of rollout r1" in d["detail"]
+    # the same attempt both ways is no conflict
+    state2 = joining.new_state(TID, 0)
+    joining.add_link(state2, link("r2", "0", parent="b" * 16), {}, 1 * S)
+    ok = joining.add_orphan(state2, llm, raw, 9, {}, 2 * S, CFG)
+    assert [(s["rollout_id"], s["attributes"]["spanrl.joined_by"]) for s in ok.spans] == [("r2", "response_id")]
