@@ -625,7 +625,7 @@ def test_framework_spans_without_rollout_join_the_proxy_call_by_trace(tmp_path, 
     others = sorted((s for s in got["spans"] if s["source"] != "proxy"), key=lambda s: s["name"])
     assert len(got["spans"]) == 3 and len(joined) == 3, (got["spans"], worker_log)
     assert [(s["name"], s["kind"], s["rollout_id"], s["attempt_id"], s["attributes"]["spanrl.joined_by"])
-            for s in others] == [("ChatCompletion", "llm", rid, "a0", "trace"),
+            for s in others] == [("ChatCompletion", "llm", rid, "a0", "response_id"),  # it names its attempt too
                                  ("invoke_agent planner", "agent", rid, "a0", "trace")]
     llm_span, agent_span = others
     assert {s["trace_id"] for s in got["spans"]} == {call["trace_id"]}
