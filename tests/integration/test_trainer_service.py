@@ -26,7 +26,7 @@ import pytest
 from spanrl.infra.settings import get_settings
 from spanrl.infra.stack import ROOT, Stack
 from spanrl.schemas.codec import encode
-from spanrl.trainer import checkpoint
+from spanrl.trainer import checkpoint, lora
 from spanrl.trainer.reloader import Reloader, ReloaderConfig, reload_vllm
 from spanrl.trainer.train import Trainer, TrainerConfig, read_announcements
 
@@ -188,7 +188,8 @@ async def test_lora_adapter_is_published_alone_and_vllm_serves_it_merged(tmp_pat
     adapter (manifest ``adapter``, no model.safetensors); the reloader merges it into the base
     weights and vLLM serves the merge: vLLM's log-probs of its greedy answer equal those of
     the base model with the downloaded adapter applied by peft (independent of our merge), and
-    differ from the base model's."""
+    differ from the base model's. A second adapter replaces the first and its merged copy is
+    deleted; an adapter of another base model is refused, and the served one stays."""
     from peft import PeftModel
 
     from spanrl.trainer.train import load_model
@@ -226,6 +227,73 @@ async def test_lora_adapter_is_published_alone_and_vllm_serves_it_merged(tmp_pat
         peft_vs_base = max(abs(a - b) for a, b in zip(peft_lps, base_lps))
         print("max |log-prob| differences: vLLM vs peft", served_vs_peft, "peft vs base", peft_vs_base)
         assert peft_vs_base > 10 * served_vs_peft, (vllm_lps, peft_lps, base_lps)
+
+        # v2: v1's adapter with lora_B halved (other weights, the same base), published to MinIO
+        # as the trainer publishes: merged and served; v1's merged copy is deleted, v1 kept
+        run_dir = s.cache_dir / "checkpoints" / run
+        v2 = tmp_path / "v2"
+        shutil.copytree(tmp_path / "dl", v2)
+        ann2 = await asyncio.to_thread(_republish_adapter, minio, v2, manifest, 2, halve_lora_b=True)
+        assert await rl.handle(ann2)
+        st = rl.status()
+        assert st["served_version"] == 2 and st["served_weights_dir"] == str(run_dir / "000002.merged"), st
+        assert sorted(p.name for p in run_dir.iterdir()) == ["000001", "000002", "000002.merged"]
+        served2 = await _chat(s.vllm_url, PROMPTS[0], 8, temperature=0.0)
+        ids2 = served2["choices"][0]["token_ids"]
+        vllm2 = [t["logprob"] for t in served2["choices"][0]["logprobs"]["content"]]
+        base2 = await asyncio.to_thread(load_model, s.model_dir)
+        peft2 = await asyncio.to_thread(_hf_logprobs, PeftModel.from_pretrained(base2, str(v2)), prompt_ids, ids2)
+        assert max(abs(a - b) for a, b in zip(vllm2, peft2)) < 10 * max(served_vs_peft, 1e-5), (vllm2, peft2)
+        assert (ids2, vllm2) != (ids, vllm_lps)
+        # an evaluation pin of v1 merges its pinned copy; unpin deletes both and serves v2's merge again
+        await rl.pin(run, 1)
+        pinned = s.cache_dir / "checkpoints" / "pinned" / run
+        assert rl.status()["served_weights_dir"] == str(pinned / "000001.merged")
+        assert (await _chat(s.vllm_url, PROMPTS[0], 8, temperature=0.0))["choices"][0]["token_ids"] == ids
+        await rl.unpin()
+        assert rl.status()["served_weights_dir"] == str(run_dir / "000002.merged") and not pinned.exists()
+        assert rl.history[-1]["event"] == "unpin" and rl.history[-1]["merge_s"] < 1.0  # current: not merged again
+
+        # v3: an adapter whose manifest names another base model: refused before any download
+        # is kept or any reload, as an announcement and as an evaluation pin; v2 stays served
+        v3 = tmp_path / "v3"
+        shutil.copytree(v2, v3)
+        ann3 = await asyncio.to_thread(_republish_adapter, minio, v3, manifest, 3, base_model="another base model")
+        assert await rl.handle(ann3) is False
+        entry = rl.status()["history"][-1]
+        assert entry["verified"] is False and entry["reloaded"] is False, entry
+        assert entry["error"].startswith("BaseModelMismatch: adapter " + f"{run}:3 was trained on base model "
+                                         "'another base model'"), entry
+        assert not (run_dir / "000003").exists()
+        with pytest.raises(lora.BaseModelMismatch):
+            await rl.pin(run, 3)
+        assert rl.status()["served_version"] == 2
+        again = await _chat(s.vllm_url, PROMPTS[0], 8, temperature=0.0)
+        assert again["choices"][0]["token_ids"] == ids2
+
+
+def _republish_adapter(minio, d: Path, manifest: dict, version: int, *, halve_lora_b: bool = False,
+                       base_model: str | None = None) -> dict:
+    """Publish the adapter in ``d`` (a downloaded checkpoint of ``manifest``'s run) again as
+    ``version``, its lora_B weights halved if asked, its manifest naming ``base_model`` (default:
+    the original's); returns the announcement the reloader handles."""
+    import safetensors.torch
+
+    (d / checkpoint.MANIFEST).unlink()
+    if halve_lora_b:
+        f = d / "adapter_model.safetensors"
+        tensors = safetensors.torch.load_file(str(f))
+        safetensors.torch.save_file({k: t * 0.5 if "lora_B" in k else t for k, t in tensors.items()}, str(f),
+                                    metadata={"format": "pt"})
+    checkpoint.write_manifest(d, run=manifest["run"], version=version, parent_version=version - 1,
+                              base_model=base_model or manifest["base_model"], step=manifest["step"] + version - 1,
+                              trained_offsets=manifest["trained_offsets"], metrics=manifest["metrics"],
+                              consumed_offsets=manifest["consumed_offsets"], adapter=manifest["adapter"])
+    s = get_settings()
+    uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, manifest["run"], version)
+    checkpoint.upload_checkpoint(minio, d, uri)
+    return {"run": manifest["run"], "version": version, "uri": uri, "parent_version": version - 1,
+            "manifest_sha256": checkpoint.manifest_sha256(d)}
 
 
 # ---- crash safety: Kafka + MinIO only, a tiny model --------------------------------------
@@ -795,7 +863,6 @@ async def test_barrier_trainer_trains_exactly_the_requested_samples(tmp_path, li
     idle flush 0.2 s would have); asked to train up to offset 4: one update of exactly those 4
     (2 mini-batch steps), one checkpoint whose manifest consumed [0, 4); then up to 6: the rest.
     A stream trainer answers the request 409, a malformed one is 400."""
-    s = get_settings()
     tag = uuid.uuid4().hex[:8]
     run, samples_topic, ckpt_topic = scratch_run(f"trbar-{tag}"), f"trbar-samples-{tag}", f"trbar-checkpoints-{tag}"
     admin = await _topics(samples_topic, ckpt_topic)

@@ -6,12 +6,10 @@ the adapter, the reloader merges it into the base for vLLM (the merged model com
 peft model computes) and refuses an adapter of another base model."""
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import math
 import random
-import shutil
 import struct
 from pathlib import Path
 
@@ -21,8 +19,7 @@ import torch
 import deepspeed  # noqa: F401  (installed by infra/bootstrap.sh)
 from tiny_models import tiny_qwen2
 
-from spanrl.infra.settings import Settings
-from spanrl.trainer import checkpoint, lora, reloader, train
+from spanrl.trainer import checkpoint, lora, train
 from spanrl.trainer.train import (TrainerConfig, build_engine, completion_logprobs, load_model, save_checkpoint,
                                   train_update)
 
@@ -336,94 +333,3 @@ def test_the_merged_model_computes_what_the_peft_model_computes(base_dir, tmp_pa
     peft_merged = copy.deepcopy(peft_model).merge_and_unload().state_dict()
     for n, p in merged.state_dict().items():
         assert torch.allclose(p, peft_merged[n], atol=1e-6), n
-
-
-# ---- the reloader ---------------------------------------------------------------------
-
-class _Store:
-    """MinIO stand-in: a checkpoint uri -> its local directory; download_checkpoint copies and verifies."""
-
-    def __init__(self):
-        self.dirs: dict[str, Path] = {}
-
-    def stat_object(self, bucket, name):
-        if not any(f"s3://{bucket}/{name}".startswith(u) for u in self.dirs):
-            raise FileNotFoundError(name)
-
-    def download(self, _client, uri: str, dest: Path) -> dict:
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(self.dirs[uri], dest)
-        return checkpoint.verify_manifest(dest)
-
-
-@pytest.fixture
-def served(monkeypatch, tmp_path, base_dir):
-    """(Reloader over a _Store, the store, the directories vLLM was told to reload)."""
-    store, reloads = _Store(), []
-    monkeypatch.setattr(checkpoint, "make_client", lambda settings: store)
-    monkeypatch.setattr(checkpoint, "download_checkpoint", store.download)
-
-    async def reload(url, weights_dir, **kw):
-        reloads.append(Path(weights_dir))
-
-    async def quiet(*args, **kw):
-        return None
-
-    async def no_announcements(*args, **kw):
-        return []
-
-    monkeypatch.setattr(reloader, "reload_vllm", reload)
-    monkeypatch.setattr(reloader, "notify_proxy", quiet)
-    monkeypatch.setattr(reloader, "notify_proxy_unsynced", quiet)
-    monkeypatch.setattr(reloader, "read_announcements", no_announcements)
-    settings = Settings(cache_dir=tmp_path / "cache", base_model_dir=base_dir)
-    rl = reloader.Reloader(reloader.ReloaderConfig(run="unit", http=False, watch_interval_s=0), settings)
-    return rl, store, reloads
-
-
-def _announce(store: _Store, engine, base_dir: Path, where: Path, version: int, base_model: str | None = None) -> dict:
-    d = where / f"src{version}"
-    _publish(engine, base_dir, d, base_model=base_model, version=version)
-    uri = checkpoint.checkpoint_uri("spanrl-checkpoints", "unit", version)
-    store.dirs[uri] = d
-    return {"run": "unit", "version": version, "uri": uri, "manifest_sha256": checkpoint.manifest_sha256(d)}
-
-
-def test_reloader_merges_adapters_for_vllm_and_deletes_merges_not_served(served, base_dir, tmp_path):
-    rl, store, reloads = served
-    run_dir = rl.settings.cache_dir / "checkpoints" / "unit"
-    engine = _lora_engine(base_dir)
-    train_update(engine, _samples())
-    ann1 = _announce(store, engine, base_dir, tmp_path, 1)
-    assert asyncio.run(rl.handle(ann1))
-    assert reloads == [run_dir / "000001.merged"] and rl.status()["served_weights_dir"] == str(reloads[-1])
-    assert (reloads[-1] / "model.safetensors").is_file() and (reloads[-1] / "tokenizer.json").is_file()
-    assert rl.history[-1]["merged"] == str(run_dir / "000001.merged")
-    train_update(engine, _samples())
-    ann2 = _announce(store, engine, base_dir, tmp_path, 2)
-    assert asyncio.run(rl.handle(ann2))
-    assert reloads[-1] == run_dir / "000002.merged"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["000001", "000002", "000002.merged"]  # v1's merge gone
-    # pin (spanrl eval) v1: merged the same way from its pinned copy; unpin drops both, v2's merge is reused
-    asyncio.run(rl.pin("unit", 1))
-    pinned = rl.settings.cache_dir / "checkpoints" / "pinned" / "unit"
-    assert reloads[-1] == pinned / "000001.merged" and lora.merged_is_current(reloads[-1], base_dir, pinned / "000001")
-    asyncio.run(rl.unpin())
-    assert reloads[-1] == run_dir / "000002.merged" and not pinned.exists()  # pin and its merge deleted
-    assert rl.history[-1]["event"] == "unpin" and rl.history[-1]["merge_s"] < 1.0  # current: not merged again
-
-
-def test_reloader_refuses_an_adapter_of_another_base_model(served, base_dir, base_id, tmp_path):
-    rl, store, reloads = served
-    engine = _lora_engine(base_dir)
-    ann = _announce(store, engine, base_dir, tmp_path, 1, base_model="another base model")
-    assert asyncio.run(rl.handle(ann)) is False
-    entry = rl.history[-1]
-    assert entry["verified"] is False and entry["reloaded"] is False
-    assert entry["error"].startswith("BaseModelMismatch: adapter unit:1 was trained on base model "
-                                     f"'another base model', not on {base_id!r}")
-    assert reloads == [] and rl.target["version"] == 0
-    assert not (rl.settings.cache_dir / "checkpoints" / "unit" / "000001").exists()
-    with pytest.raises(lora.BaseModelMismatch):  # an evaluation pin of it: refused too (HTTP 409)
-        asyncio.run(rl.pin("unit", 1))
-    assert reloads == []
