@@ -633,9 +633,14 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             if vllm_lost(exc) and policy.vllm_unreachable():
                 log.warning("vLLM lost mid-stream (%r): policy version unsynced until the reloader posts one", exc)
 
+        minted: dict[str, str] = {}  # vLLM's id -> ours: one id per stream, minted once, not per chunk
+
         def named(chunk: dict) -> dict:  # every chunk's id names the attempt (producers/response_ids.py)
             if "id" in chunk:
-                chunk["id"] = response_ids.mint(str(chunk["id"] or ""), ctx.rollout_id, ctx.attempt_id)
+                upstream_id = str(chunk["id"] or "")
+                if upstream_id not in minted:
+                    minted[upstream_id] = response_ids.mint(upstream_id, ctx.rollout_id, ctx.attempt_id)
+                chunk["id"] = minted[upstream_id]
             return chunk
 
         relay = streaming.Relay(ctx.endpoint, upstream.aiter_lines(), forward, recorded, interrupted,

@@ -69,8 +69,6 @@ from spanrl.stream_jobs import dead_letters as dl
 
 #: attribute of a joined span: its rollout came from the trace join, not from the agent
 JOINED_BY = "spanrl.joined_by"
-#: attribute of a span joined by its response id: that id (the call it describes)
-JOINED_RESPONSE_ID = response_ids.JOINED_RESPONSE_ID
 #: attribute of a joined span whose orphan record was a claim (oversize): the full record
 ORPHAN_PAYLOAD_REF = "spanrl.orphan_payload_ref"
 #: newest entries kept of a trace's attempts, call parents and settled span ids
@@ -146,14 +144,14 @@ def joined_span(span: dict, rollout_id: str, attempt_id: str, response_id: str |
     attempt_id)``: those two set, everything else kept (span id, parent, agent name,
     attributes) but ``llm`` (context, never a call: module doc), plus attribute
     :data:`JOINED_BY` = ``"trace"``, or ``"response_id"`` for a span that named its attempt
-    through a minted response id ``response_id`` (kept in :data:`JOINED_RESPONSE_ID`: the
+    through a minted response id ``response_id`` (kept in ``response_ids.JOINED_RESPONSE_ID``: the
     assembler links the call of that id to this span, producers/response_ids.py). A claim record (``payload_ref``) becomes a plain
     small span with the reference in attribute :data:`ORPHAN_PAYLOAD_REF`: its identity
     fields, all a link needs, are in the small record, and the full record in MinIO stays
     the orphan's (its rollout id is empty, so it is not the joined span's claim)."""
     attributes = {**(span.get("attributes") or {}), JOINED_BY: "response_id" if response_id else "trace"}
     if response_id:
-        attributes[JOINED_RESPONSE_ID] = response_id
+        attributes[response_ids.JOINED_RESPONSE_ID] = response_id
     if span.get("payload_ref"):
         attributes[ORPHAN_PAYLOAD_REF] = span["payload_ref"]
     return {**span, "rollout_id": rollout_id, "attempt_id": attempt_id, "attributes": attributes,
@@ -194,7 +192,7 @@ def add_orphan(state: dict, span: dict, raw: bytes, offset: int | None, store: M
     out.changed = True
     attempt = attempt_of(state, sid)
     if attempt is not None:
-        out.spans.append(joined_span(span, *attempt, response_id=response_id if named is not None else None))
+        out.spans.append(joined_span(span, *attempt, response_id=response_id))
         _remember(state["settled"], sid)
         return out
     state["waiting"][sid] = {"since_ms": int(now_ms), "offset": offset}

@@ -93,6 +93,23 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout_s: flo
     raise AssertionError(f"the Collector did not listen on {port} in {timeout_s}s:\n{log.read_text()[-3000:]}")
 
 
+def _start_collector(bridge_url: str, token: str, own_url: str, log: Path) -> tuple[subprocess.Popen, int]:
+    """The Collector running the shipped config against ``bridge_url`` with ``token`` and the
+    user's backend ``own_url``, on ports of its own; returns it and its gRPC port once it listens."""
+    grpc_port, http_port = free_port(), free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL")},
+           "SPANRL_BRIDGE_URL": bridge_url, "SPANRL_AUTH_TOKEN": token, "OWN_OTLP_ENDPOINT": own_url,
+           "OTELCOL_GRPC_ENDPOINT": f"{S.host}:{grpc_port}", "OTELCOL_HTTP_ENDPOINT": f"{S.host}:{http_port}"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(COLLECTOR), f"--config={CONFIG}"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(grpc_port, proc, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, grpc_port
+
+
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
     """Kafka, a bridge on topics of its own with a token, the user's backend, and the
@@ -104,20 +121,15 @@ def collector(tmp_path_factory):
     with own_topics("otelcol") as topics:
         bridge, bridge_url = start_service("spanrl.producers.bridge", "--topic-prefix", _prefix(topics),
                                            env={"SPANRL_AUTH_TOKEN": token})
-        grpc_port, http_port = free_port(), free_port()
         log = tmp_path_factory.mktemp("otelcol") / "collector.log"
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL")},
-               "SPANRL_BRIDGE_URL": bridge_url, "SPANRL_AUTH_TOKEN": token, "OWN_OTLP_ENDPOINT": own.url,
-               "OTELCOL_GRPC_ENDPOINT": f"{S.host}:{grpc_port}", "OTELCOL_HTTP_ENDPOINT": f"{S.host}:{http_port}"}
-        with open(log, "w") as out:
-            proc = subprocess.Popen([str(COLLECTOR), f"--config={CONFIG}"], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
         try:
-            _wait_listening(grpc_port, proc, log)
-            yield {"topics": topics, "bridge_url": bridge_url, "token": token, "own": own, "log": log,
-                   "grpc": f"http://{S.host}:{grpc_port}", "proc": proc}
+            proc, grpc_port = _start_collector(bridge_url, token, own.url, log)
+            try:
+                yield {"topics": topics, "bridge_url": bridge_url, "token": token, "own": own, "log": log,
+                       "grpc": f"http://{S.host}:{grpc_port}", "proc": proc}
+            finally:
+                stop(proc)
         finally:
-            stop(proc)
             stop(bridge)
             own.close()
 
@@ -151,16 +163,9 @@ def test_a_collector_with_the_wrong_token_gets_nothing_into_spanrl(collector, tm
     """The same config with a wrong SPANRL_AUTH_TOKEN: the bridge refuses (401), the Collector
     logs the refused export, the user's backend still gets the spans, Kafka gets none."""
     own, topics = collector["own"], collector["topics"]
-    grpc_port, http_port = free_port(), free_port()
     log = tmp_path / "collector.log"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL")},
-           "SPANRL_BRIDGE_URL": collector["bridge_url"], "SPANRL_AUTH_TOKEN": "not-the-token",
-           "OWN_OTLP_ENDPOINT": own.url,
-           "OTELCOL_GRPC_ENDPOINT": f"{S.host}:{grpc_port}", "OTELCOL_HTTP_ENDPOINT": f"{S.host}:{http_port}"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(COLLECTOR), f"--config={CONFIG}"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc, grpc_port = _start_collector(collector["bridge_url"], "not-the-token", own.url, log)
     try:
-        _wait_listening(grpc_port, proc, log)
         rid = f"otelcol-{uuid.uuid4().hex[:12]}"
         assert run_agent(rid, f"http://{S.host}:{grpc_port}", None).returncode == 0
         mine = lambda: [s for s in own.spans if s[2].get("spanrl.rollout_id") == rid]  # noqa: E731
