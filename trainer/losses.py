@@ -235,6 +235,22 @@ def dr_grpo_advantages(returns: list[float], group_means: list[float]) -> list[f
     return [float(r) - float(m) for r, m in zip(returns, group_means)]
 
 
+def negative_weighted_advantages(advantages: list[float], negative_weight: float = 1.0) -> list[float]:
+    """Advantages with the negative ones scaled: ``A_i' = A_i`` if ``A_i >= 0`` else
+    ``negative_weight * A_i``. The policy-gradient objective split into positive and negative
+    sample reinforcement, weighted (Zhu et al. 2025, "The Surprising Effectiveness of Negative
+    Reinforcement in LLM Reasoning", arXiv 2506.01347, eq. 5's W-REINFORCE weighs the positive
+    term by lambda; here the negative term is weighed, so the advantages' scale stays that of
+    the positive samples). ``negative_weight`` 1: the plain objective; 0: positive samples only
+    (reinforcing correct responses raises pass@1 and lowers diversity, their s4); in between:
+    less of the push-down on tokens that punished completions share with rewarded ones.
+    Example: [+0.5, -0.25, -0.25] with 0.5 -> [+0.5, -0.125, -0.125].
+    Raises ValueError when ``negative_weight`` is outside [0, 1]."""
+    if not 0.0 <= negative_weight <= 1.0:
+        raise ValueError(f"negative_weight must be in [0, 1], got {negative_weight}")
+    return [float(a) if a >= 0 else negative_weight * float(a) for a in advantages]
+
+
 def zero_variance_samples(group_stds: list[float], group_rollouts: list[int], eps: float = 1e-9) -> list[bool]:
     """Which samples belong to a group whose rollouts all got the same return (std 0 with
     more than one member): their GRPO advantage is 0, they give no policy gradient but cost a

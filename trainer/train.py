@@ -85,6 +85,9 @@ class TrainerConfig(BaseSettings):
     #: leave out samples of groups whose rollouts all got the same return before an update
     #: (DAPO's dynamic-sampling filter, losses.zero_variance_samples); counted per update
     drop_zero_variance: bool = False
+    #: scale of negative advantages (losses.negative_weighted_advantages; Zhu et al. 2025's
+    #: weighted REINFORCE): 1 = the plain objective, 0 = positive samples only
+    negative_advantage_weight: float = 1.0
     #: weight of the k3 KL to the reference policy (the base weights, a frozen second copy
     #: of the model in memory: +1 model of RAM and one more forward per micro-batch); 0: off,
     #: no reference model is loaded (DeepSeekMath eq. 4)
@@ -402,7 +405,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  micro_batch_tokens: int | None = None, loss_agg: str = "token_mean",
                  singleton_advantage: str = "batch", ratio_cap: float | None = None,
                  advantage_std_scale: bool = True, drop_zero_variance: bool = False,
-                 mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK) -> dict:
+                 mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK,
+                 negative_advantage_weight: float = 1.0) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
@@ -410,6 +414,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     per_rollout_mean); log-probs ``logprob_chunk`` completion positions at a time
     (:func:`completion_logprobs`; 0: full logits); ``ratio_cap``: dual-clip (``losses.dual_clip``; None: off).
     ``advantage_std_scale`` False: Dr. GRPO advantages (:func:`sample_advantages`).
+    ``negative_advantage_weight``: negative advantages scaled by it after they are computed
+    (:func:`losses.negative_weighted_advantages`; 1: unchanged).
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
     ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
@@ -438,7 +444,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     if not samples:
         return {**base, "update_s": time.perf_counter() - t0}
     use_ref = ref_model is not None
-    advantages = sample_advantages(samples, algorithm, singleton_advantage, advantage_std_scale)
+    advantages = losses.negative_weighted_advantages(
+        sample_advantages(samples, algorithm, singleton_advantage, advantage_std_scale), negative_advantage_weight)
     minis = losses.mini_batch_indices(keys, mini_batches)
     plan = []  # per mini-batch: (micro-batch tensors, per-sample weights, completion tokens)
     for mini in minis:
@@ -690,6 +697,7 @@ class Trainer:
             raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: {', '.join(losses.LOSS_AGGREGATIONS)}")
         if cfg.mini_batches < 1:
             raise ValueError(f"mini_batches must be >= 1, got {cfg.mini_batches}")
+        losses.negative_weighted_advantages([], cfg.negative_advantage_weight)  # ValueError outside [0, 1]
         if cfg.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
         #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
@@ -1100,6 +1108,7 @@ class Trainer:
                 ratio_cap=self.cfg.ratio_cap if kept else None,
                 advantage_std_scale=self.cfg.advantage_std_scale,
                 drop_zero_variance=self.cfg.drop_zero_variance,
+                negative_advantage_weight=self.cfg.negative_advantage_weight,
                 mini_batches=self.cfg.mini_batches, ref_model=self.ref_model, logprob_chunk=self.cfg.logprob_chunk)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)

@@ -34,6 +34,15 @@ def test_dr_grpo_advantages_hand_computed():
         losses.dr_grpo_advantages([1.0], [0.5, 0.5])
 
 
+def test_negative_weighted_advantages_hand_computed():
+    assert losses.negative_weighted_advantages([0.5, -0.25, -0.25], 0.5) == [0.5, -0.125, -0.125]
+    assert losses.negative_weighted_advantages([0.5, -0.25, 0.0], 0.0) == [0.5, 0.0, 0.0]
+    assert losses.negative_weighted_advantages([0.5, -0.25], 1.0) == [0.5, -0.25]
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError):
+            losses.negative_weighted_advantages([0.5], bad)
+
+
 def test_zero_variance_samples():
     assert losses.zero_variance_samples([0.0, 0.5, 0.0], [6, 6, 1]) == [True, False, False]
     assert losses.zero_variance_samples([], []) == []
@@ -133,6 +142,25 @@ def test_zero_variance_groups_are_dropped_and_counted():
     m = train_update(engine, only_flat, drop_zero_variance=True)
     assert (m["dropped_zero_variance"], m["samples"], m["steps"]) == (8, 0, 0)
     assert torch.equal(before, _params(engine))  # nothing left: no step was taken
+
+
+def test_negative_weight_zero_leaves_punished_samples_without_gradient():
+    """With negative_advantage_weight 0 an update of only negative-advantage samples takes a
+    step that changes nothing (Adam's first step on a zero gradient is zero); with 1 the same
+    samples move the weights, and the update's weighted advantage reports the scaled values."""
+    negatives = [s for s in _batch() if s["advantage"] < 0]
+    assert len(negatives) == 4
+    for s in negatives:  # behaviour far less likely than now: ratio > 1, so A < 0 is not clipped
+        s["transition"]["behaviour_logprobs"] = [-10.0] * len(s["transition"]["completion_token_ids"])
+    moved = {}
+    for w in (0.0, 1.0):
+        engine = build_engine(tiny_model(), lr=1e-2, micro_batch=4)
+        before = _params(engine)
+        m = train_update(engine, negatives, negative_advantage_weight=w)
+        assert m["steps"] == 1
+        moved[w] = float((_params(engine) - before).abs().max())
+        assert m["mean_advantage"] == pytest.approx(w * -1.0)  # each (0 - 0.5) / 0.5
+    assert moved[0.0] == 0.0 and moved[1.0] > 0.0
 
 
 def test_arrival_order_does_not_change_the_update():
