@@ -98,6 +98,8 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
             "iterations": [{k: it.get(k) for k in ("iteration", "correct_rate", "format_rate", "tool_use_rate",
                                                    "mean_reward", "zero_variance_groups", "groups",
                                                    "policy_versions_served", "wall_s")}
+                           | {k: {sign: v.get("delta") for sign, v in (it.get(k) or {}).items()}
+                              for k in ("logprob_shift_own", "logprob_shift_iteration0")}
                            for it in summ.get("iterations", [])],
             "trainer_updates": summ.get("trainer_updates", []),
         })
@@ -106,9 +108,11 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
         "positive_up": all((s.get("positive") or 0) > 0 for s in shifts),
         "negative_down": all((s.get("negative") or 0) < 0 for s in shifts)}
     h = out["heldout"]
-    # issue 18's target: both modes above 0 in each of at least 3 seeds, none below its base
+    # issue 18's target: both modes above 0 in each of at least 3 seeds, none below its base,
+    # and iteration 0's rewarded completions more likely, punished ones less, in every seed
     out["target_met"] = len(seeds) >= 3 and len(h) == 2 and all(
-        h[m]["every_seed_above_zero"] and h[m]["no_seed_below_base"] for m in ("greedy", "sampled"))
+        h[m]["every_seed_above_zero"] and h[m]["no_seed_below_base"] for m in ("greedy", "sampled")) and all(
+        out["logprob_shift_every_seed"].values())
     return out
 
 

@@ -122,6 +122,12 @@ class IterationResult:
     #: the stream job's agent selection these calls were assembled under (call accounts)
     selection: list = field(default_factory=list)
     rollout_ids: list = field(default_factory=list)
+    #: logprob_shift of this iteration's own completions under the policy its update made
+    #: (one update: did it raise what it rewarded?)
+    logprob_shift_own: dict = field(default_factory=dict)
+    #: logprob_shift of iteration 0's completions under the same policy (the drift so far;
+    #: the last iteration's is the run's final shift)
+    logprob_shift_iteration0: dict = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -377,6 +383,11 @@ def logprob_shift(samples: list[dict], logprob_of) -> dict[str, dict]:
     return out
 
 
+def _shift_text(shift: dict) -> str:
+    """``+0.123 / -0.456`` from a :func:`logprob_shift` result (``n/a`` for an absent sign)."""
+    return " / ".join(f"{shift[k]['delta']:+.3f}" if k in shift else "n/a" for k in ("positive", "negative"))
+
+
 #: held-out evaluation modes: the temperature every call gets (None: the agent's own)
 HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
 
@@ -458,6 +469,11 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         for it in range(cfg.iterations):
             res = asyncio.run(_run_iteration(it, cfg, s, pool, progress, bar))
             results.append(res)
+            if res.checkpoint_version is not None:  # served now: the policy this iteration's update made
+                progress.update(bar, description=f"iter {it}: log-prob shift", total=None)
+                res.logprob_shift_own = logprob_shift(res._samples, lambda p, c: _logprob_under_served(s, p, c))
+                res.logprob_shift_iteration0 = res.logprob_shift_own if it == 0 else \
+                    logprob_shift(results[0]._samples, lambda p, c: _logprob_under_served(s, p, c))
             tracking.log_once(s, s.run, "main_job", {it: tracking.iteration_scalars(asdict(res))})
             progress.console.print(
                 f"iter {it}: rollouts={res.rollouts} transitions={res.transitions} samples={res.samples} "
@@ -465,6 +481,10 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
                 f"format={res.format_rate:.2f} tool={res.tool_use_rate:.2f} "
                 f"zero-variance groups={res.zero_variance_groups}/{res.groups} "
                 f"served={res.policy_versions_served} -> checkpoint v{res.checkpoint_version} ({res.wall_s}s)")
+            if res.logprob_shift_own:
+                progress.console.print("  log-prob shift +/- (nats/token) of its own completions: "
+                                       f"{_shift_text(res.logprob_shift_own)}; of iteration 0's: "
+                                       f"{_shift_text(res.logprob_shift_iteration0)}")
             for name, c in res.agents.items():
                 progress.console.print(f"  agent {name}: calls={c['calls']} trained={c['trained']} "
                                        f"excluded={c['excluded']}")
@@ -477,8 +497,9 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
 
     # Did the served policy change? Mean per-token log-prob of iteration 0's completions
     # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
-    shift = logprob_shift(results[0]._samples if results else [],
-                          lambda p, c: _logprob_under_served(s, p, c))
+    # (the last iteration's drift figure when its checkpoint was served: the same policy)
+    shift = results[-1].logprob_shift_iteration0 if results and results[-1].logprob_shift_iteration0 else \
+        logprob_shift(results[0]._samples if results else [], lambda p, c: _logprob_under_served(s, p, c))
 
     final_version = _served_version(s)
     heldout: dict[str, dict] = {}

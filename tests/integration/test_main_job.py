@@ -92,6 +92,22 @@ def test_short_main_job(main_job, settings, tmp_path):
         returns = list(by_group[x["group_id"]].values())
         assert x["advantage"] == pytest.approx(expected_advantage(returns, x["transition"]["episode_return"]))
 
+    # the log-prob shift, per iteration, over every one of its completions with an advantage
+    # (the policy its update made), and over iteration 0's; the last one is the run's final shift
+    for k, it in enumerate(its):
+        mine = [x for x in samples if x["transition"]["rollout_id"] in set(it["rollout_ids"])
+                and x["transition"]["completion_token_ids"]]
+        want = {sign: n for sign, n in (("positive", sum(x["advantage"] > 0 for x in mine)),
+                                        ("negative", sum(x["advantage"] < 0 for x in mine))) if n}
+        if it["checkpoint_version"] is not None:
+            assert {sign: v["completions"] for sign, v in it["logprob_shift_own"].items()} == want
+            assert all(v["delta"] == pytest.approx(v["mean_logprob_final"] - v["mean_logprob_behaviour"])
+                       for v in it["logprob_shift_own"].values())
+        if k == 0:
+            assert it["logprob_shift_iteration0"] == it["logprob_shift_own"]
+    if its[-1]["checkpoint_version"] is not None:
+        assert summary["logprob_shift_of_iteration0_completions"] == its[-1]["logprob_shift_iteration0"]
+
     # the trainer published a manifest-verified checkpoint that covers the samples ...
     version = max(v for it in its for v in it["checkpoints_announced"])
     dest = tmp_path / settings.run / str(version)

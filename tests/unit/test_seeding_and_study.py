@@ -106,6 +106,10 @@ def test_study_report_per_seed_and_pooled():
     assert not r["target_met"]  # the target asks for 3 seeds
     r3 = study.study_report([0, 1, 2], summaries + summaries[:1], heldout + heldout[:1], [])
     assert r3["target_met"] and r3["logprob_shift_every_seed"] == {"positive_up": True, "negative_down": True}
+    fell = [{**summaries[0], "logprob_shift_of_iteration0_completions": {"positive": {"delta": -0.01},
+                                                                        "negative": {"delta": -0.2}}}]
+    r_fell = study.study_report([0, 1, 2], summaries + fell, heldout + heldout[:1], [])
+    assert r_fell["logprob_shift_every_seed"]["positive_up"] is False and not r_fell["target_met"]
     heldout[1]["sampled"]["paired"]["run:4 - base"]["success_rate"]["low"] = -0.05
     assert not study.study_report([0, 1, 2], summaries + summaries[:1], heldout + heldout[:1], [])["target_met"]
     heldout[1]["greedy"]["policies"]["base"]["per_episode"].pop()
