@@ -337,47 +337,59 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     return res
 
 
-def _logprob_under_served(s: Settings, prompt_ids: list[int], completion_ids: list[int]) -> float:
-    """Sum of log p(completion | prompt) under the policy vLLM serves now (prompt_logprobs)."""
-    r = httpx.post(f"{s.vllm_url}/v1/completions", timeout=120, json={
-        "model": s.model_name, "prompt": prompt_ids + completion_ids, "max_tokens": 1,
-        "prompt_logprobs": 0, "temperature": 0.0})
-    r.raise_for_status()
-    plp = r.json()["choices"][0]["prompt_logprobs"]
-    total = 0.0
-    for pos, tok in enumerate(completion_ids, start=len(prompt_ids)):
-        entry = plp[pos]
-        total += float(entry[str(tok)]["logprob"])
-    return total
+#: sequences per scoring request (one vLLM forward over all of them; bounded so a request
+#: stays well inside its time-out on 2 CPU cores)
+SCORE_BATCH = 16
 
 
-def logprob_shift(samples: list[dict], logprob_of) -> dict[str, dict]:
+def _logprobs_under_served(s: Settings, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Summed log p(completion | prompt) in nats for each ``(prompt_ids, completion_ids)``, in
+    order, under the policy vLLM serves now (``prompt_logprobs``, ``SCORE_BATCH`` sequences per
+    request). Raises httpx.HTTPStatusError when vLLM refuses a request."""
+    out: list[float] = []
+    for start in range(0, len(pairs), SCORE_BATCH):
+        chunk = pairs[start:start + SCORE_BATCH]
+        r = httpx.post(f"{s.vllm_url}/v1/completions", timeout=300, json={
+            "model": s.model_name, "prompt": [p + c for p, c in chunk], "max_tokens": 1,
+            "prompt_logprobs": 0, "temperature": 0.0})
+        r.raise_for_status()
+        choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+        for (prompt_ids, completion_ids), ch in zip(chunk, choices, strict=True):
+            plp = ch["prompt_logprobs"]
+            out.append(sum(float(plp[pos][str(tok)]["logprob"])
+                           for pos, tok in enumerate(completion_ids, start=len(prompt_ids))))
+    return out
+
+
+def logprob_shift(samples: list[dict], logprobs_of) -> dict[str, dict]:
     """How far the policy moved on completions it was trained on, split by advantage sign.
 
     For every sample with a non-empty completion, all of them (the result must not depend
     on the order samples arrived in), the token-weighted mean log-prob per token under the
     behaviour policy (``behaviour_logprobs``, recorded by the proxy when the completion was
-    sampled) and under the policy served now (``logprob_of(prompt_ids, completion_ids)``,
-    the summed log-prob in nats). A policy-gradient step should raise the likelihood of
+    sampled) and under the policy served now (``logprobs_of(pairs)``: for a list of
+    ``(prompt_ids, completion_ids)``, the summed log-prob in nats of each, in order; one call). A policy-gradient step should raise the likelihood of
     positive-advantage completions (``delta`` > 0) and lower that of negative ones.
 
     Args:
         samples: ``sample`` records (schemas/avro/sample.v2) as dicts.
-        logprob_of: callable returning the summed log p(completion | prompt), nats.
+        logprobs_of: callable from a list of (prompt ids, completion ids) to the summed
+            log p(completion | prompt) of each, nats.
     Returns:
         ``{"positive"|"negative": {"completions", "tokens", "mean_logprob_behaviour",
         "mean_logprob_final", "delta"}}``, a sign absent when no sample has it; units nats/token.
     """
     out: dict[str, dict] = {}
-    with_tokens = [x for x in samples if x["transition"]["completion_token_ids"]]
+    scored = [x for x in samples if x["transition"]["completion_token_ids"] and x["advantage"] != 0]
+    final = logprobs_of([(x["transition"]["prompt_token_ids"], x["transition"]["completion_token_ids"])
+                         for x in scored]) if scored else []
     for sign, keep in (("positive", lambda a: a > 0), ("negative", lambda a: a < 0)):
-        chosen = [x for x in with_tokens if keep(x["advantage"])]
+        chosen = [(x, f) for x, f in zip(scored, final, strict=True) if keep(x["advantage"])]
         if not chosen:
             continue
-        n_tok = sum(len(x["transition"]["completion_token_ids"]) for x in chosen)
-        before = sum(sum(x["transition"]["behaviour_logprobs"]) for x in chosen) / n_tok
-        after = sum(logprob_of(x["transition"]["prompt_token_ids"], x["transition"]["completion_token_ids"])
-                    for x in chosen) / n_tok
+        n_tok = sum(len(x["transition"]["completion_token_ids"]) for x, _ in chosen)
+        before = sum(sum(x["transition"]["behaviour_logprobs"]) for x, _ in chosen) / n_tok
+        after = sum(f for _, f in chosen) / n_tok
         out[sign] = {"completions": len(chosen), "tokens": n_tok, "mean_logprob_behaviour": before,
                      "mean_logprob_final": after, "delta": after - before}
     return out
@@ -471,9 +483,9 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             results.append(res)
             if res.checkpoint_version is not None:  # served now: the policy this iteration's update made
                 progress.update(bar, description=f"iter {it}: log-prob shift", total=None)
-                res.logprob_shift_own = logprob_shift(res._samples, lambda p, c: _logprob_under_served(s, p, c))
+                res.logprob_shift_own = logprob_shift(res._samples, lambda pairs: _logprobs_under_served(s, pairs))
                 res.logprob_shift_iteration0 = res.logprob_shift_own if it == 0 else \
-                    logprob_shift(results[0]._samples, lambda p, c: _logprob_under_served(s, p, c))
+                    logprob_shift(results[0]._samples, lambda pairs: _logprobs_under_served(s, pairs))
             tracking.log_once(s, s.run, "main_job", {it: tracking.iteration_scalars(asdict(res))})
             progress.console.print(
                 f"iter {it}: rollouts={res.rollouts} transitions={res.transitions} samples={res.samples} "
@@ -499,7 +511,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
     # (the last iteration's drift figure when its checkpoint was served: the same policy)
     shift = results[-1].logprob_shift_iteration0 if results and results[-1].logprob_shift_iteration0 else \
-        logprob_shift(results[0]._samples if results else [], lambda p, c: _logprob_under_served(s, p, c))
+        logprob_shift(results[0]._samples if results else [], lambda pairs: _logprobs_under_served(s, pairs))
 
     final_version = _served_version(s)
     heldout: dict[str, dict] = {}

@@ -13,9 +13,14 @@ def _sample(adv: float, prompt: list[int], completion: list[int], behaviour: lis
                                              "behaviour_logprobs": behaviour}}
 
 
-# summed log-prob under the "final" policy: -0.1 per completion token, whatever the prompt
-def _final(prompt_ids, completion_ids):
-    return -0.1 * len(completion_ids)
+# summed log-prob under the "final" policy: -0.1 per completion token, whatever the prompt;
+# one call for every scored completion (the main job sends them to vLLM in batches)
+CALLS: list[int] = []
+
+
+def _final(pairs):
+    CALLS.append(len(pairs))
+    return [-0.1 * len(completion_ids) for _, completion_ids in pairs]
 
 
 SAMPLES = [
@@ -28,7 +33,9 @@ SAMPLES = [
 
 
 def test_token_weighted_means_over_every_completion_of_each_sign():
+    CALLS.clear()
     out = logprob_shift(SAMPLES, _final)
+    assert CALLS == [3]  # one batch: the zero-advantage and the empty completion are not scored
     pos, neg = out["positive"], out["negative"]
     assert (pos["completions"], pos["tokens"]) == (2, 6)
     assert pos["mean_logprob_behaviour"] == pytest.approx(-1.6 / 6)
@@ -54,4 +61,6 @@ def test_the_result_does_not_depend_on_the_order_samples_arrived_in():
 
 def test_a_sign_with_no_samples_is_absent():
     assert logprob_shift([_sample(1.0, [1], [2], [-0.5])], _final).keys() == {"positive"}
+    CALLS.clear()
     assert logprob_shift([], _final) == {}
+    assert CALLS == []  # nothing to score: no request
