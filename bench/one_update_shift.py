@@ -1,0 +1,136 @@
+"""Does one update raise what it rewards? The trainer's own update on a run's recorded samples,
+once per setting, and the log-prob shift of those samples' completions under the new weights.
+
+    python -m bench.one_update_shift dump OUT.json                  # the stack's `samples` topic
+    python -m bench.one_update_shift run OUT.json --version 0 \\
+        --setting lr=5e-5 --setting lr=1e-5,mini_batches=8 --setting lr=5e-5,negative_advantage_weight=0
+
+Each ``--setting`` (``key=value`` pairs of ``train_update``'s options, plus ``lr``) starts from
+the base weights (SPANRL_MODEL), trains one update of the demo's options (token mean, Dr. GRPO,
+zero-variance groups dropped, 2 mini-batches unless set) on the samples of behaviour version
+``--version`` (iteration 0's: sampled from the base policy), and scores every completion with a
+non-zero advantage under the updated weights in the trainer's own forward (no vLLM needed):
+``examples.math_agent.main_job.logprob_shift``, the main job's figure for its first iteration,
+whose `base` line (the weights before the update) must be 0.0 when the recorded behaviour
+log-probs are exact. Prints one JSON line per setting (LEARNING.md, session 18). Offline and
+on CPU: ~2.5 min per setting for 75 samples of SmolLM2-135M on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+#: the demo's trainer options (examples/math_agent/main_job.DEMO_TRAINER_ENV) as train_update keywords
+DEMO_UPDATE = {"loss_agg": "token_mean", "advantage_std_scale": False, "drop_zero_variance": True,
+               "mini_batches": 2, "micro_batch": 8, "micro_batch_tokens": 2048}
+
+
+def parse_setting(text: str) -> dict:
+    """``"lr=1e-5,mini_batches=8"`` -> ``{"lr": 1e-05, "mini_batches": 8}`` (ints, floats, booleans
+    and strings by their look). Raises ValueError for an item without ``=`` or without ``lr``."""
+    out: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not key=value")
+        low = raw.lower()
+        if low in ("true", "false"):
+            value: object = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[key.strip()] = value
+    if "lr" not in out:
+        raise ValueError(f"setting {text!r} has no lr")
+    return out
+
+
+def completion_logprob_sums(model, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Summed log p(completion | prompt) in nats for each ``(prompt_ids, completion_ids)`` under
+    ``model`` (a causal LM; one unpadded forward per pair, no gradients)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt, completion in pairs:
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])
+            out.append(float(lp.sum()))
+    model.train(was_training)
+    return out
+
+
+def _deltas(shift: dict) -> dict:
+    return {sign: round(v["delta"], 4) for sign, v in shift.items()}
+
+
+def run(samples: list[dict], settings: list[dict], model_dir: Path, console) -> list[dict]:
+    """One update per setting from ``model_dir``'s weights on ``samples``; the shift of each."""
+    from examples.math_agent.main_job import logprob_shift
+    from spanrl.trainer.train import build_engine, load_model, train_update
+
+    rows = []
+    base = load_model(model_dir)
+    rows.append({"setting": "base", "shift": _deltas(logprob_shift(
+        samples, lambda pairs: completion_logprob_sums(base, pairs)))})
+    console.print(json.dumps(rows[-1]))
+    del base
+    for st in settings:
+        t0 = time.monotonic()
+        opts = dict(DEMO_UPDATE, **{k: v for k, v in st.items() if k != "lr"})
+        engine = build_engine(load_model(model_dir, activation_checkpointing=True), lr=st["lr"],
+                              micro_batch=opts["micro_batch"])
+        with console.status(f"update {st}"):
+            m = train_update(engine, samples, **opts)
+            shift = logprob_shift(samples, lambda pairs: completion_logprob_sums(engine.module, pairs))
+        rows.append({"setting": st, "shift": _deltas(shift), "steps": m["steps"],
+                     **{k: round(m[k], 4) for k in ("approx_kl", "grad_norm", "clip_frac") if k in m},
+                     "wall_s": round(time.monotonic() - t0, 1)})
+        console.print(json.dumps(rows[-1]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.console import Console
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="write the stack's samples topic to a JSON file")
+    d.add_argument("out", type=Path)
+    r = sub.add_parser("run", help="one update per --setting on a dump's samples")
+    r.add_argument("samples", type=Path)
+    r.add_argument("--version", type=int, default=0, help="behaviour version of the samples trained")
+    r.add_argument("--setting", action="append", required=True, type=parse_setting)
+    args = ap.parse_args(argv)
+    console = Console(stderr=True)
+    from spanrl.infra.settings import get_settings
+
+    s = get_settings()
+    if args.cmd == "dump":
+        from spanrl.infra.replay import read_topic
+        from spanrl.schemas import topics as T
+
+        xs = asyncio.run(read_topic(s.kafka_bootstrap, T.SAMPLES))
+        args.out.write_text(json.dumps(xs))
+        console.print(f"{len(xs)} samples -> {args.out}")
+        return
+    xs = [x for x in json.loads(args.samples.read_text()) if x["transition"]["policy_version"] == args.version]
+    if not xs:
+        sys.exit(f"no samples of behaviour version {args.version} in {args.samples}")
+    for row in run(xs, args.setting, s.model_dir, console):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
