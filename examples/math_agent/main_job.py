@@ -183,6 +183,18 @@ def _trainer_status(s: Settings) -> dict:
     return _get_json(f"http://{s.host}:{s.trainer_port}/status")
 
 
+def samples_missing(ours: set[str], accounts: list[dict], samples: list[dict], dead_ids: set[str]) -> set:
+    """``(rollout_id, span_id)`` of every trained call of this job's emitted attempts (their
+    call accounts, ``trained`` true) whose sample has not been read yet; rollouts with a dead
+    letter are left out (their calls may never become samples). A group's samples can arrive
+    over several polls: counting rollouts with *some* sample would let a barrier update start
+    before the group's last samples are in, and wait for them for ever."""
+    want = {(a["rollout_id"], c["span_id"]) for a in accounts
+            if a["rollout_id"] in ours and a["rollout_id"] not in dead_ids and a["outcome"] == "emitted"
+            for c in a["calls"] if c["trained"]}
+    return want - {(x["transition"]["rollout_id"], x["transition"]["span_id"]) for x in samples}
+
+
 def _request_training(s: Settings, samples_next: dict[int, int]) -> dict:
     """Ask a barrier-batching trainer to train every sample below ``samples_next``
     (partition -> the offset after the iteration's last sample) as one update."""
@@ -273,7 +285,8 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
         sampled = {x["transition"]["rollout_id"] for x in samples}
         dead_ids = {d["rollout_id"] for d in dead if d.get("rollout_id")}
         accounted = {a["rollout_id"] for a in accounts}
-        if run_task.done() and len(ours) >= n_rollouts and ours <= (sampled | dead_ids) and ours <= accounted:
+        if run_task.done() and len(ours) >= n_rollouts and ours <= (sampled | dead_ids) and ours <= accounted \
+                and not samples_missing(ours, accounts, samples, dead_ids):
             break
         if run_task.done() and run_task.exception():
             raise run_task.exception()

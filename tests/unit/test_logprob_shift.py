@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from examples.math_agent.main_job import logprob_shift
+from examples.math_agent.main_job import logprob_shift, samples_missing
 
 
 def _sample(adv: float, prompt: list[int], completion: list[int], behaviour: list[float]) -> dict:
@@ -64,3 +64,23 @@ def test_a_sign_with_no_samples_is_absent():
     CALLS.clear()
     assert logprob_shift([], _final) == {}
     assert CALLS == []  # nothing to score: no request
+
+
+def _account(rollout, outcome, calls):
+    return {"rollout_id": rollout, "outcome": outcome, "calls": [{"span_id": sid, "trained": t} for sid, t in calls]}
+
+
+def _s(rollout, span):
+    return {"transition": {"rollout_id": rollout, "span_id": span}}
+
+
+def test_samples_missing_waits_for_every_trained_call_of_a_group():
+    accounts = [_account("r1", "emitted", [("a", True), ("b", True), ("x", False)]),  # x: not selected
+                _account("r2", "emitted", [("c", True)]),
+                _account("r3", "no_llm_calls", []),
+                _account("r4", "emitted", [("d", True)]),
+                _account("other", "emitted", [("e", True)])]  # another job's rollout
+    # r1's first sample is in, its second (same group, next poll) is not
+    assert samples_missing({"r1", "r2", "r3", "r4"}, accounts, [_s("r1", "a"), _s("r2", "c")], {"r4"}) == {("r1", "b")}
+    assert samples_missing({"r1", "r2", "r3", "r4"}, accounts, [_s("r1", "a"), _s("r1", "b"), _s("r2", "c")],
+                           {"r4"}) == set()
