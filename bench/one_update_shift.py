@@ -24,9 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-#: the demo's trainer options (examples/math_agent/main_job.DEMO_TRAINER_ENV) as train_update keywords
-DEMO_UPDATE = {"loss_agg": "token_mean", "advantage_std_scale": False, "drop_zero_variance": True,
-               "mini_batches": 2, "micro_batch": 8, "micro_batch_tokens": 2048}
+def demo_update_options() -> dict:
+    """``train_update`` keywords (and ``lr``) of the demo's trainer: TrainerConfig with the main
+    job's DEMO_TRAINER_ENV applied over its defaults (the one place either is written)."""
+    from examples.math_agent.main_job import DEMO_TRAINER_ENV
+    from spanrl.trainer.train import TrainerConfig
+
+    cfg = TrainerConfig(**{k.removeprefix("SPANRL_TRAINER_").lower(): v for k, v in DEMO_TRAINER_ENV.items()})
+    return {k: getattr(cfg, k) for k in ("lr", "loss_agg", "advantage_std_scale", "drop_zero_variance",
+                                         "mini_batches", "micro_batch", "micro_batch_tokens")}
 
 
 def parse_setting(text: str) -> dict:
@@ -59,14 +65,16 @@ def completion_logprob_sums(model, pairs: list[tuple[list[int], list[int]]]) -> 
     ``model`` (a causal LM; one unpadded forward per pair, no gradients)."""
     import torch
 
+    from spanrl.trainer import losses
+
     was_training = model.training
     model.eval()
     out = []
     with torch.no_grad():
         for prompt, completion in pairs:
-            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])
-            out.append(float(lp.sum()))
+            ids = torch.tensor([prompt + completion])
+            mask = torch.tensor([[0.0] * len(prompt) + [1.0] * len(completion)])
+            out.append(float(losses.token_logprobs(model(input_ids=ids).logits, ids, mask).sum()))
     model.train(was_training)
     return out
 
@@ -88,8 +96,9 @@ def run(samples: list[dict], settings: list[dict], model_dir: Path, console) -> 
     del base
     for st in settings:
         t0 = time.monotonic()
-        opts = dict(DEMO_UPDATE, **{k: v for k, v in st.items() if k != "lr"})
-        engine = build_engine(load_model(model_dir, activation_checkpointing=True), lr=st["lr"],
+        opts = {**demo_update_options(), **st}
+        lr = opts.pop("lr")
+        engine = build_engine(load_model(model_dir, activation_checkpointing=True), lr=lr,
                               micro_batch=opts["micro_batch"])
         with console.status(f"update {st}"):
             m = train_update(engine, samples, **opts)

@@ -22,6 +22,7 @@ policy's mode), with 95% intervals and the paired difference final - base
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -474,6 +475,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         if not disjoint(pool, heldout_set):
             raise ValueError(f"training seed {cfg.seed} and held-out seed {cfg.heldout_seed} share questions")
     results: list[IterationResult] = []
+    score = functools.partial(_logprobs_under_served, s)  # logprob_shift's scorer: the served policy
     t_start = time.monotonic()
     modes = list(cfg.heldout_modes) if cfg.heldout_tasks > 0 else []
     base_reports = {}
@@ -496,9 +498,9 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             results.append(res)
             if res.checkpoint_version is not None:  # served now: the policy this iteration's update made
                 progress.update(bar, description=f"iter {it}: log-prob shift", total=None)
-                res.logprob_shift_own = logprob_shift(res._samples, lambda pairs: _logprobs_under_served(s, pairs))
+                res.logprob_shift_own = logprob_shift(res._samples, score)
                 res.logprob_shift_iteration0 = res.logprob_shift_own if it == 0 else \
-                    logprob_shift(results[0]._samples, lambda pairs: _logprobs_under_served(s, pairs))
+                    logprob_shift(results[0]._samples, score)
             tracking.log_once(s, s.run, "main_job", {it: tracking.iteration_scalars(asdict(res))})
             progress.console.print(
                 f"iter {it}: rollouts={res.rollouts} transitions={res.transitions} samples={res.samples} "
@@ -524,7 +526,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     # with positive / negative advantage: behaviour (v0, recorded by the proxy) vs now.
     # (the last iteration's drift figure when its checkpoint was served: the same policy)
     shift = results[-1].logprob_shift_iteration0 if results and results[-1].logprob_shift_iteration0 else \
-        logprob_shift(results[0]._samples if results else [], lambda pairs: _logprobs_under_served(s, pairs))
+        logprob_shift(results[0]._samples if results else [], score)
 
     final_version = _served_version(s)
     heldout: dict[str, dict] = {}

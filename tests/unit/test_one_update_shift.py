@@ -51,3 +51,9 @@ def test_scorer_equals_the_trainer_log_probs_and_the_base_line_is_zero(tmp_path)
     assert rows[0]["shift"] == {"positive": 0.0, "negative": 0.0}
     assert rows[1]["steps"] == 1 and set(rows[1]["shift"]) == {"positive", "negative"}
     assert rows[1]["shift"] != rows[0]["shift"]  # the update moved the weights
+
+
+def test_demo_update_options_follow_the_demo_trainer_env():
+    opts = ous.demo_update_options()
+    assert (opts["lr"], opts["mini_batches"], opts["loss_agg"]) == (5e-5, 2, "token_mean")
+    assert opts["advantage_std_scale"] is False and opts["drop_zero_variance"] is True
