@@ -4,6 +4,7 @@ once per setting, and the log-prob shift of those samples' completions under the
     python -m bench.one_update_shift dump OUT.json                  # the stack's `samples` topic
     python -m bench.one_update_shift run OUT.json --version 0 \\
         --setting lr=5e-5 --setting lr=1e-5,mini_batches=8 --setting lr=5e-5,negative_advantage_weight=0
+    python -m bench.one_update_shift run OUT.json --chain --setting lr=1e-5,mini_batches=8,kl_coef=0.1
 
 Each ``--setting`` (``key=value`` pairs of ``train_update``'s options, plus ``lr``) starts from
 the base weights (SPANRL_MODEL), trains one update of the demo's options (token mean, Dr. GRPO,
@@ -14,6 +15,8 @@ non-zero advantage under the updated weights in the trainer's own forward (no vL
 whose `base` line (the weights before the update) must be 0.0 when the recorded behaviour
 log-probs are exact. Prints one JSON line per setting (LEARNING.md, session 18). Offline and
 on CPU: ~2.5 min per setting for 75 samples of SmolLM2-135M on 2 cores.
+``--chain`` replays every recorded version in order, one update each, and prints iteration 0's
+shift after each (:func:`run_chain`; a screening replay, off-policy after the first update).
 """
 from __future__ import annotations
 
@@ -110,6 +113,42 @@ def run(samples: list[dict], settings: list[dict], model_dir: Path, console) -> 
     return rows
 
 
+def run_chain(by_version: dict[int, list[dict]], settings: list[dict], model_dir: Path, console) -> list[dict]:
+    """Per setting, from ``model_dir``'s weights: one update per recorded behaviour version in
+    order (version 0's samples, then 1's, ...), and after each the shift of version 0's
+    completions (the main job's ``logprob_shift_iteration0``) and of that update's own.
+
+    A screening replay, not a run: versions >= 1 were sampled by the recorded run's policies,
+    not by this setting's, so their importance ratios start away from 1 (``clip_frac``).
+    ``kl_coef`` > 0 loads the base weights a second time as the reference policy."""
+    from examples.math_agent.main_job import logprob_shift
+    from spanrl.trainer.train import build_engine, load_model, train_update
+
+    rows = []
+    first = by_version[min(by_version)]
+    for st in settings:
+        opts = {**demo_update_options(), **st}
+        lr = opts.pop("lr")
+        if opts.get("kl_coef", 0.0) > 0:
+            opts["ref_model"] = load_model(model_dir).eval()
+        engine = build_engine(load_model(model_dir, activation_checkpointing=True), lr=lr,
+                              micro_batch=opts["micro_batch"])
+        score = lambda pairs: completion_logprob_sums(engine.module, pairs)  # noqa: E731
+        for v in sorted(by_version):
+            t0 = time.monotonic()
+            with console.status(f"{st}: update on version {v}"):
+                m = train_update(engine, by_version[v], **opts)
+                row = {"setting": st, "update_on_version": v, "iteration0": _deltas(logprob_shift(first, score)),
+                       "own": _deltas(logprob_shift(by_version[v], score)), "steps": m["steps"],
+                       **{k: round(m[k], 4) for k in ("approx_kl", "ref_kl", "grad_norm", "clip_frac") if k in m},
+                       "wall_s": round(time.monotonic() - t0, 1)}
+            rows.append(row)
+            console.print(json.dumps(row))
+        del engine
+        opts.pop("ref_model", None)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
@@ -121,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("samples", type=Path)
     r.add_argument("--version", type=int, default=0, help="behaviour version of the samples trained")
     r.add_argument("--setting", action="append", required=True, type=parse_setting)
+    r.add_argument("--chain", action="store_true", help="one update per recorded version in order "
+                   "(0, 1, ...; --version ignored), version 0's shift after each (run_chain)")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
     from spanrl.infra.settings import get_settings
@@ -134,7 +175,15 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps(xs))
         console.print(f"{len(xs)} samples -> {args.out}")
         return
-    xs = [x for x in json.loads(args.samples.read_text()) if x["transition"]["policy_version"] == args.version]
+    every = json.loads(args.samples.read_text())
+    if args.chain:
+        by_version: dict[int, list[dict]] = {}
+        for x in every:
+            by_version.setdefault(x["transition"]["policy_version"], []).append(x)
+        for row in run_chain(by_version, args.setting, s.model_dir, console):
+            print(json.dumps(row), flush=True)
+        return
+    xs = [x for x in every if x["transition"]["policy_version"] == args.version]
     if not xs:
         sys.exit(f"no samples of behaviour version {args.version} in {args.samples}")
     for row in run(xs, args.setting, s.model_dir, console):

@@ -69,7 +69,9 @@ def collate(samples: list[dict], pad_token_id: int = 0, advantages: list[float] 
     """Stack Sample dicts into a :class:`Batch`.
 
     ``advantages`` overrides each sample's ``advantage`` (e.g. REINFORCE++ batch
-    normalisation); default: the sample's own GRPO advantage.
+    normalisation): a float per sample (every completion token gets it) or a list of one
+    float per completion token (``losses.prefix_tree_advantages``); default: the sample's own
+    GRPO advantage. Raises ValueError for a per-token list of the wrong length.
     """
     B = len(samples)
     if B == 0:
@@ -90,7 +92,12 @@ def collate(samples: list[dict], pad_token_id: int = 0, advantages: list[float] 
         completion_mask[i, P:P + C] = 1.0
         behaviour[i, P:P + C] = torch.tensor(t["behaviour_logprobs"], dtype=torch.float32)
         a = s["advantage"] if advantages is None else advantages[i]
-        adv[i, P:P + C] = float(a)
+        if isinstance(a, (list, tuple)):
+            if len(a) != C:
+                raise ValueError(f"{len(a)} token advantages for a completion of {C} tokens")
+            adv[i, P:P + C] = torch.tensor(a, dtype=torch.float32)
+        else:
+            adv[i, P:P + C] = float(a)
         returns[i] = float(t["episode_return"])
     return Batch(input_ids, attention_mask, completion_mask, behaviour, adv, returns)
 

@@ -251,6 +251,58 @@ def negative_weighted_advantages(advantages: list[float], negative_weight: float
     return [float(a) if a >= 0 else negative_weight * float(a) for a in advantages]
 
 
+def prefix_tree_advantages(tree_keys: list, completions: list[list[int]], returns: list[float],
+                           advantages: list[float], scales: list[float]) -> list[list[float]]:
+    """Per-token advantages from the prefix tree that a group's completions form: a token
+    that other completions of the same prompt share, with the same tokens before it, is one
+    decision taken once, so it gets the value of everything below it, not its own return.
+
+    The samples with equal ``tree_keys[i]`` (a group and one prompt: e.g. ``(group_id,
+    prompt token ids)``) share a root; ``S(i, t)`` is the set of them whose completion starts
+    with ``completions[i][:t + 1]``, and its value ``V(i, t)`` the mean of their ``returns``.
+    Token ``t`` of sample ``i`` gets ``A[i][t] = advantages[i] + scales[i] * (V(i, t) - R_i)``:
+    with ``advantages[i] = scales[i] * (R_i - b)`` (GRPO / Dr. GRPO, baseline b the group
+    mean) that is ``scales[i] * (V(i, t) - b)``, TreeRL's global advantage of the node (Hou et
+    al. 2025, "TreeRL: LLM Reinforcement Learning with On-Policy Tree Search", arXiv
+    2506.11902 s3.2: a node's value is the mean correctness of the leaves below it, its
+    advantage that value minus the root's) on the tree that i.i.d. samples form by their
+    common prefixes. Tokens after a completion's last shared prefix keep ``advantages[i]``
+    (their subtree is the completion alone); a prefix that every completion of the root
+    shares gets ``scales[i] * (mean(R) - b)``, 0 when the root holds the whole group. Where
+    GRPO pushes a shared token up for the rewarded completions and down for the punished
+    ones and relies on the sum to cancel (it does only inside one optimizer step), this
+    hands each shared token its net value once.
+    Shapes: ``completions[i]`` a list of C_i token ids -> ``A[i]`` a list of C_i floats.
+    Example: one root, completions [[5, 6], [5, 7], [8]], returns [1, 0, 0], Dr. GRPO
+    (b = 1/3, scales 1, advantages [2/3, -1/3, -1/3]) -> [[1/6, 2/3], [1/6, -1/3], [-1/3]]:
+    the shared first token 5 gets (1 + 0) / 2 - 1/3.
+    Raises ValueError when the lists differ in length."""
+    n = len(tree_keys)
+    if not (len(completions) == len(returns) == len(advantages) == len(scales) == n):
+        raise ValueError(f"lengths differ: {n} keys, {len(completions)} completions, {len(returns)} returns, "
+                         f"{len(advantages)} advantages, {len(scales)} scales")
+    # one trie per root: node = (token id path) -> [sum of returns, count], as nested dicts
+    roots: dict = {}
+    for key, comp, r in zip(tree_keys, completions, returns):
+        node = roots.setdefault(key, {})
+        for tok in comp:
+            child = node.get(tok)
+            if child is None:
+                child = node[tok] = [0.0, 0, {}]
+            child[0] += float(r)
+            child[1] += 1
+            node = child[2]
+    out = []
+    for key, comp, r, a, c in zip(tree_keys, completions, returns, advantages, scales):
+        node, row = roots[key], []
+        for tok in comp:
+            total, count, below = node[tok]
+            row.append(float(a) + float(c) * (total / count - float(r)))
+            node = below
+        out.append(row)
+    return out
+
+
 def zero_variance_samples(group_stds: list[float], group_rollouts: list[int], eps: float = 1e-9) -> list[bool]:
     """Which samples belong to a group whose rollouts all got the same return (std 0 with
     more than one member): their GRPO advantage is 0, they give no policy gradient but cost a

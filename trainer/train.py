@@ -88,6 +88,10 @@ class TrainerConfig(BaseSettings):
     #: scale of negative advantages (losses.negative_weighted_advantages; Zhu et al. 2025's
     #: weighted REINFORCE): 1 = the plain objective, 0 = positive samples only
     negative_advantage_weight: float = 1.0
+    #: grpo: per-token advantages from the prefix tree of each group's completions of one
+    #: prompt (losses.prefix_tree_advantages, TreeRL's global advantage): a token shared with
+    #: other completions gets the mean return of those that share it, minus the baseline
+    prefix_tree_advantage: bool = False
     #: weight of the k3 KL to the reference policy (the base weights, a frozen second copy
     #: of the model in memory: +1 model of RAM and one more forward per micro-batch); 0: off,
     #: no reference model is loaded (DeepSeekMath eq. 4)
@@ -385,6 +389,23 @@ def sample_advantages(samples: list[dict], algorithm: str = "grpo", singleton_ad
         torch.tensor(advantages), returns, torch.tensor([s.get("group_rollouts", 2) for s in samples])).tolist()
 
 
+def token_advantages(samples: list[dict], advantages: list[float], advantage_std_scale: bool,
+                     eps: float = 1e-6) -> list[list[float]]:
+    """Per completion token, the prefix-tree advantage of each sample
+    (:func:`losses.prefix_tree_advantages`): the tree's roots are (``group_id``, prompt token
+    ids), so calls that saw the same prompt in one group share a root; ``advantages`` are
+    the samples' own (:func:`sample_advantages`), and the scale that turns a return
+    difference into an advantage is 1 for Dr. GRPO and ``1 / (group_std + eps)`` for GRPO
+    (stream_jobs.credit.grpo_advantages' eps). A sample without a ``group_id`` is a root of
+    its own (its tokens keep its advantage)."""
+    keys = [(s.get("group_id", f"sample-{i}"), tuple(s["transition"]["prompt_token_ids"]))
+            for i, s in enumerate(samples)]
+    scales = [1.0 if not advantage_std_scale else 1.0 / (float(s.get("group_std", 0.0)) + eps) for s in samples]
+    return losses.prefix_tree_advantages(keys, [list(s["transition"]["completion_token_ids"]) for s in samples],
+                                         [float(s["transition"]["episode_return"]) for s in samples],
+                                         advantages, scales)
+
+
 def sample_key(sample: dict) -> tuple:
     """A key that orders an update's samples by content alone (task, then the digest of the
     prompt and completion token ids), so the same samples in any arrival order are trained in
@@ -406,7 +427,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  singleton_advantage: str = "batch", ratio_cap: float | None = None,
                  advantage_std_scale: bool = True, drop_zero_variance: bool = False,
                  mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK,
-                 negative_advantage_weight: float = 1.0) -> dict:
+                 negative_advantage_weight: float = 1.0, prefix_tree_advantage: bool = False) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
@@ -416,6 +437,10 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     ``advantage_std_scale`` False: Dr. GRPO advantages (:func:`sample_advantages`).
     ``negative_advantage_weight``: negative advantages scaled by it after they are computed
     (:func:`losses.negative_weighted_advantages`; 1: unchanged).
+    ``prefix_tree_advantage`` (grpo only): each completion token gets the value of the
+    completions of its group and prompt that share the prefix up to it
+    (:func:`token_advantages`, TreeRL's global advantage); the negative weight then applies
+    per token. Raises ValueError with ``reinforce_pp``.
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
     ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
@@ -444,8 +469,14 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     if not samples:
         return {**base, "update_s": time.perf_counter() - t0}
     use_ref = ref_model is not None
-    advantages = losses.negative_weighted_advantages(
-        sample_advantages(samples, algorithm, singleton_advantage, advantage_std_scale), negative_advantage_weight)
+    raw = sample_advantages(samples, algorithm, singleton_advantage, advantage_std_scale)
+    advantages = losses.negative_weighted_advantages(raw, negative_advantage_weight)
+    per_token = None  # with prefix_tree_advantage: a list of token advantages per sample
+    if prefix_tree_advantage:
+        if algorithm != "grpo":
+            raise ValueError(f"prefix_tree_advantage needs algorithm 'grpo', got {algorithm!r}")
+        per_token = [losses.negative_weighted_advantages(row, negative_advantage_weight)
+                     for row in token_advantages(samples, raw, advantage_std_scale)]
     minis = losses.mini_batch_indices(keys, mini_batches)
     plan = []  # per mini-batch: (micro-batch tensors, per-sample weights, completion tokens)
     for mini in minis:
@@ -454,7 +485,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             groups = batching.token_budget_batches(sub, micro_batch_tokens, micro_batch)
         else:
             groups = batching.micro_batches(list(range(len(sub))), micro_batch)
-        chunks = [batching.collate([sub[i] for i in g], pad_token_id, [advantages[mini[i]] for i in g])
+        per_sample = advantages if per_token is None else per_token
+        chunks = [batching.collate([sub[i] for i in g], pad_token_id, [per_sample[mini[i]] for i in g])
                   for g in groups]
         seq_w = losses.sequence_loss_weights(
             [(s["transition"].get("rollout_id", i), s["transition"].get("attempt_id")) for i, s in enumerate(sub)],
@@ -513,8 +545,9 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     total_tokens = sum(b.num_tokens for chunks, _, _, _ in plan for b in chunks)
     mean_adv = sum(advantages) / len(advantages)
     # the advantage as the loss weighs it (token_mean: the token-weighted mean), over the update
-    weighted = sum(w * advantages[mini[j]] * len(samples[mini[j]]["transition"]["completion_token_ids"])
-                   for _, _, seq_w, mini in plan for j, w in enumerate(seq_w)) / len(plan)
+    token_sums = ([sum(row) for row in per_token] if per_token is not None else
+                  [a * len(s["transition"]["completion_token_ids"]) for a, s in zip(advantages, samples)])
+    weighted = sum(w * token_sums[mini[j]] for _, _, seq_w, mini in plan for j, w in enumerate(seq_w)) / len(plan)
     return {
         **base,
         **stats,
@@ -697,6 +730,8 @@ class Trainer:
             raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: {', '.join(losses.LOSS_AGGREGATIONS)}")
         if cfg.mini_batches < 1:
             raise ValueError(f"mini_batches must be >= 1, got {cfg.mini_batches}")
+        if cfg.prefix_tree_advantage and cfg.algorithm != "grpo":
+            raise ValueError(f"prefix_tree_advantage needs algorithm 'grpo', got {cfg.algorithm!r}")
         losses.negative_weighted_advantages([], cfg.negative_advantage_weight)  # ValueError outside [0, 1]
         if cfg.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
@@ -1109,6 +1144,7 @@ class Trainer:
                 advantage_std_scale=self.cfg.advantage_std_scale,
                 drop_zero_variance=self.cfg.drop_zero_variance,
                 negative_advantage_weight=self.cfg.negative_advantage_weight,
+                prefix_tree_advantage=self.cfg.prefix_tree_advantage,
                 mini_batches=self.cfg.mini_batches, ref_model=self.ref_model, logprob_chunk=self.cfg.logprob_chunk)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)

@@ -46,6 +46,13 @@ def test_scorer_equals_the_trainer_log_probs_and_the_base_line_is_zero(tmp_path)
                                "completion_token_ids": c, "behaviour_logprobs": lp, "episode_return": r,
                                "reward": r, "policy_version": 0}}
                for i, ((p, c), lp, r) in enumerate(zip(pairs, per_token, rets))]
+    later = [dict(x, transition={**x["transition"], "policy_version": 1}) for x in samples]
+    chain = ous.run_chain({1: later, 0: samples}, [{"lr": 1e-2, "mini_batches": 1, "kl_coef": 0.1}], tmp_path,
+                          Console(quiet=True))
+    # one update per version in order; after version 0's, iteration 0's completions are its own
+    assert [r["update_on_version"] for r in chain] == [0, 1]
+    assert chain[0]["iteration0"] == chain[0]["own"] and chain[0]["steps"] == 1 and "ref_kl" in chain[0]
+    assert chain[1]["iteration0"] != chain[0]["iteration0"]  # the second update moved them again
     rows = ous.run(samples, [{"lr": 1e-2, "mini_batches": 1}], tmp_path, Console(quiet=True))
     assert rows[0]["setting"] == "base"
     assert rows[0]["shift"] == {"positive": 0.0, "negative": 0.0}
