@@ -37,7 +37,7 @@ import httpx
 from spanrl.infra import ledger
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import Settings, check_environment, child_env, get_settings, set_env, update_env
 from spanrl.infra.stack import ROOT, Stack, stop_process_group
 from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.runner import publish_tasks
@@ -150,7 +150,7 @@ class RunnerProcess:
             [sys.executable, "-m", "spanrl.infra.chaos_workload", "--tasks-topic", self.tasks_topic,
              "--ack-log", str(self.ack_log), "--calls", str(self.cfg.calls), "--pace", str(self.cfg.pace_s),
              "--concurrency", str(self.cfg.concurrency)],
-            cwd=ROOT, env={**os.environ, **self.stack.service_env()}, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT, env=child_env(self.stack.service_env()), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
 
     def kill(self) -> None:
@@ -357,9 +357,10 @@ def _short_tasks(events: list[dict], task_ids: list[str], group_size: int) -> di
 # ------------------------------------------------------------------------- the whole run
 def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> dict:
     """Start the stack with CHAOS_ENV and a fresh run, run every fault, write chaos.json."""
-    os.environ.update(CHAOS_ENV)
+    check_environment()
+    update_env(CHAOS_ENV)
     running_run = None if cfg.restart_stack else trainer_status(get_settings()).get("run")
-    os.environ["SPANRL_RUN"] = running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    set_env("SPANRL_RUN", running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     get_settings.cache_clear()
     stack = Stack(get_settings())
     if cfg.restart_stack:

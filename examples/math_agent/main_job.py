@@ -25,7 +25,6 @@ import asyncio
 import functools
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import Settings, env_value, env_with_prefix, get_settings
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
@@ -558,8 +557,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "agents": dict(sorted(agents_total.items())),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "seed": s.seed,
-        "trainer_env": {k: os.environ.get(k, v) for k, v in DEMO_TRAINER_ENV.items()},
-        "trainer_settings": {k: v for k, v in os.environ.items() if k.startswith("SPANRL_TRAINER_")},
+        "trainer_env": {k: env_value(k, v) for k, v in DEMO_TRAINER_ENV.items()},
+        "trainer_settings": env_with_prefix("SPANRL_TRAINER_"),
         "trainer_updates": _trainer_updates(s),
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),
