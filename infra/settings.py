@@ -136,7 +136,8 @@ class Settings(Section):
 
     host: str = setting("127.0.0.1", "address every service binds to and is reached at", readers="every service")
     cache_dir: Path = setting(_default_cache(), "downloads, the venv, converted models, compiled extensions",
-                              readers="stack, cli, trainer, reloader, model", shown="`$XDG_CACHE_HOME/spanrl` (`~/.cache/spanrl`)")
+                              readers="stack, cli, trainer, reloader, model",
+                              shown="`$XDG_CACHE_HOME/spanrl` (`~/.cache/spanrl`)")
     state_dir: Path = setting(Path(".spanrl"), "run-time state of the stack (logs, Kafka log dirs, MinIO data); "
                               "inside the clone", readers="stack, trainer, replay, main job")
 
@@ -145,9 +146,11 @@ class Settings(Section):
     kafka_version: str = setting("4.1.1", "the Kafka release the stack downloads and runs", readers="stack")
     minio_port: int = setting(19000, "MinIO's S3 API", readers="stack")
     minio_console_port: int = setting(19001, "MinIO's console", readers="stack")
-    minio_access_key: str = setting("spanrl", "MinIO's access key", readers="stack, producers, stream, trainer, reloader")
+    minio_access_key: str = setting("spanrl", "MinIO's access key",
+                                    readers="stack, producers, stream, trainer, reloader")
     minio_secret_key: SecretStr = setting(SecretStr("spanrl-local-secret"), "MinIO's secret key",
-                                          readers="stack, producers, stream, trainer, reloader", shown="`spanrl-local-secret`")
+                                          readers="stack, producers, stream, trainer, reloader",
+                                          shown="`spanrl-local-secret`")
     checkpoint_bucket: str = setting("spanrl-checkpoints", "bucket of the trainer's checkpoints",
                                      readers="trainer, reloader, setup job, stack, cli")
     payload_bucket: str = setting("spanrl-payloads", "bucket of oversize payloads (claims)",
@@ -288,7 +291,8 @@ class TopicSettings(Section):
                                       "deployment, at least the number of Faust workers; fixed once the topics "
                                       "exist", readers="every process (schemas/topics.py)")
     topic_prefix: str = setting("", "prefix of every topic name a producer or the dashboard uses "
-                                "(`--topic-prefix`); empty: none", readers="bridge, proxy, dashboard, producers/kafka.py")
+                                "(`--topic-prefix`); empty: none",
+                                readers="bridge, proxy, dashboard, producers/kafka.py")
 
 
 class ProducerSettings(Section):
@@ -328,13 +332,17 @@ class StreamSettings(Section):
                                       "trace_id); a worker on private topics names its own", readers="stream")
     stream_join_traces: bool = setting(True, "run the trace join (agent `join`, trace links); `0`/`false`/`no`/`off`: "
                                        "off (a replay: what joined is on spans already)", readers="stream")
-    orphan_timeout_s: float = setting(300.0, "how long a span without rollout id waits for a proxy call of its trace",
+    orphan_timeout_s: float = setting(300.0, "how long a span without rollout id waits for a proxy call of its "
+                                      "trace; longer than the worker may lag behind `spans` (after a restart the "
+                                      "links come from its backlog)",
                                       unit="s", readers="stream")
     credit_rule: str = setting("identical", "credit per call: `identical`, `scaled:<f>`, `discounted:<γ>`, "
                                "`return_to_go:<γ>`", readers="stream")
-    air_rules: str = setting("", "AIR: intermediate rewards from span facts, `FACT:REWARD,...` (stream_jobs/air.py); "
-                             "empty: none", readers="stream")
-    train_agents: str = setting("", "whose calls train: comma-separated agent names, or `re:EXPR`; empty: every call",
+    air_rules: str = setting("", "AIR: intermediate rewards from span facts, `FACT:REWARD,...`, FACT in `tool_error "
+                             "tool_ok exception timeout verdict_pass verdict_fail`; the first matching rule per span "
+                             "(stream_jobs/air.py); empty: none", readers="stream")
+    train_agents: str = setting("", "whose calls train: comma-separated agent names, or `re:EXPR` (a whole-name "
+                                "regular expression); empty: every call",
                                 readers="stream, cli")
     reward_timeout_s: float = setting(60.0, "when an attempt without a final reward parks (or is dead-lettered)",
                                       unit="s", readers="stream")
@@ -395,7 +403,8 @@ class DeploymentSettings(Section):
     TITLE: ClassVar[str] = "Deployment files (`DeploymentSettings`; no Python reader)"
 
     bridges: int = setting(2, "bridge replicas", readers="infra/deploy/compose.yaml")
-    workers: int = setting(3, "Faust worker replicas (≤ `SPANRL_ROLLOUT_PARTITIONS`)", readers="infra/deploy/compose.yaml")
+    workers: int = setting(3, "Faust worker replicas (≤ `SPANRL_ROLLOUT_PARTITIONS`)",
+                           readers="infra/deploy/compose.yaml")
     image: str = setting("spanrl:0.1.0", "the services' image", readers="infra/deploy/compose.yaml")
     minio_image: str = setting("spanrl-minio:0.1.0", "the MinIO image", readers="infra/deploy/compose.yaml")
     policy_image: str = setting("spanrl-policy:0.1.0", "the vLLM + reloader image", readers="infra/deploy/compose.yaml")
@@ -498,7 +507,8 @@ class ReloaderConfig(Section):
                          readers="reloader")
     from_version: int = setting(1, "ignore announcements below this version", readers="reloader")
     pause_mode: str = setting("wait", "vLLM /pause mode: wait (finish in-flight), abort, keep", readers="reloader")
-    vllm_url: str | None = setting(None, "vLLM's URL", readers="reloader", shown="`http://SPANRL_HOST:SPANRL_VLLM_PORT`")
+    vllm_url: str | None = setting(None, "vLLM's URL", readers="reloader",
+                                   shown="`http://SPANRL_HOST:SPANRL_VLLM_PORT`")
     proxy_url: str | None = setting(None, "the proxy's URL", readers="reloader",
                                     shown="`http://SPANRL_HOST:SPANRL_PROXY_PORT`")
     reload_timeout_s: float = setting(600.0, "how long one vLLM reload may take", unit="s", readers="reloader")
@@ -689,7 +699,8 @@ def write_readme(path: Path) -> bool:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="spanrl's declared settings (every SPANRL_* variable).")
     p.add_argument("--markdown", action="store_true", help="print README's settings table")
-    p.add_argument("--write-readme", type=Path, metavar="README", help="write the table into README between its markers")
+    p.add_argument("--write-readme", type=Path, metavar="README",
+                   help="write the table into README between its markers")
     p.add_argument("--check", action="store_true", help="fail on an undeclared SPANRL_* variable in the environment")
     a = p.parse_args(argv)
     if a.write_readme:
