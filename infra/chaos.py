@@ -37,7 +37,8 @@ import httpx
 from spanrl.infra import ledger
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
-from spanrl.infra.settings import Settings, check_environment, child_env, get_settings, set_env, update_env
+from spanrl.infra.settings import (Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
+                                   set_env, update_env)
 from spanrl.infra.stack import ROOT, Stack, stop_process_group
 from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.runner import publish_tasks
@@ -53,14 +54,13 @@ FAULTS: dict[str, str] = {
 #: environment of the stack during chaos: timeouts short enough that a killed attempt is
 #: dead-lettered within the run, checkpoints every update, small batches
 CHAOS_ENV = {
-    "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
-    # late rewards: an attempt without one parks at 15 s and is dead-lettered at 25 s
-    "SPANRL_REWARD_WINDOW_S": "25",
-    "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12", "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
-    "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
-    # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4 only
-    # (every manifest stays, so the offset chain is still checked end to end)
-    "SPANRL_TRAINER_KEEP_PUBLISHED": "4",
+    **StreamSettings.env(reward_timeout_s="15", rollout_timeout_s="30", group_timeout_s="30",
+                         # late rewards: an attempt without one parks at 15 s and is dead-lettered at 25 s
+                         reward_window_s="25", settle_s="2"),
+    **TrainerConfig.env(min_batch="12", idle_flush_s="5", checkpoint_every="1",
+                        # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4
+                        # only (every manifest stays, so the offset chain is still checked end to end)
+                        keep_published="4"),
 }
 
 

@@ -123,6 +123,24 @@ class Section(BaseSettings):
             _ENVIRON.reset(token)
 
     @classmethod
+    def env(cls, **values: Any) -> dict[str, str]:
+        """The variables that give a child process (or this one, :func:`update_env`) these
+        ``values``, keyed by field name: ``TrainerConfig.env(lr="5e-5", http=False)`` ->
+        ``{"SPANRL_TRAINER_LR": "5e-5", "SPANRL_TRAINER_HTTP": "false"}``. A name that is not a
+        field raises :class:`UnknownSetting` (with the closest declared variable); a value the
+        field cannot take raises pydantic's ValidationError; None is refused (unset it instead)."""
+        unknown = [cls.env_name(k) for k in values if k not in cls.model_fields]
+        if unknown:
+            raise UnknownSetting(unknown, {n: closest_name(n) for n in unknown})
+        out = {}
+        for field, value in values.items():
+            if value is None:
+                raise ValueError(f"{cls.env_name(field)}: None cannot be written to the environment")
+            out[cls.env_name(field)] = str(value).lower() if isinstance(value, bool) else str(value)
+        cls.from_environ(out)  # every value parses as its field
+        return out
+
+    @classmethod
     def default(cls, field: str) -> Any:
         """The declared default of ``field`` (the one place it is written)."""
         return cls.model_fields[field].get_default(call_default_factory=True)

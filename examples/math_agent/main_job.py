@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.infra.settings import Settings, env_value, env_with_prefix, get_settings
+from spanrl.infra.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
@@ -47,20 +47,20 @@ from spanrl.trainer import tracking
 #: Chosen in LEARNING.md: lr 1e-5 (the trainer's default) moves this 135M policy too little
 #: in a 30-minute run; lr 1e-4 learned once and collapsed once; updates are cut per
 #: iteration (barrier), not by idle time, so a run seed repeats the run.
-DEMO_TRAINER_ENV = {
-    "SPANRL_TRAINER_LR": "5e-5",
-    "SPANRL_TRAINER_LOSS_AGG": "token_mean",
+DEMO_TRAINER_ENV = TrainerConfig.env(
+    lr="5e-5",
+    loss_agg="token_mean",
     # one update per iteration on exactly that iteration's samples (POST /admin/train), so a
     # run's batches do not depend on timing and every call of an iteration is served by one
     # version; two optimizer steps per update (mini-batches in content order)
-    "SPANRL_TRAINER_BATCHING": "barrier",
-    "SPANRL_TRAINER_MINI_BATCHES": "2",
+    batching="barrier",
+    mini_batches="2",
     # Dr. GRPO: R - group mean, no division by the group's std, so a format-only group
     # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (LEARNING.md)
-    "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false",
+    advantage_std_scale="false",
     # zero-variance groups give no gradient: left out before the update (counted per update)
-    "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true",
-}
+    drop_zero_variance="true",
+)
 
 
 @dataclass

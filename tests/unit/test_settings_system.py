@@ -63,6 +63,31 @@ def test_the_example_and_chaos_overrides_are_all_declared():
     check_environment(CHAOS_ENV)
 
 
+def test_overrides_are_built_from_field_names_and_checked():
+    from examples.math_agent.main_job import DEMO_TRAINER_ENV
+    from spanrl.infra.chaos import CHAOS_ENV
+
+    assert TrainerConfig.env(lr="5e-5", http=False, max_updates=3) == {
+        "SPANRL_TRAINER_LR": "5e-5", "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_MAX_UPDATES": "3"}
+    assert Settings.env(faust_web_port=1234) == {"SPANRL_FAUST_WEB_PORT": "1234"}
+    with pytest.raises(UnknownSetting, match=r"SPANRL_TRAINER_LRR \(closest known: SPANRL_TRAINER_LR\)"):
+        TrainerConfig.env(lrr="1")
+    with pytest.raises(ValueError):  # pydantic's ValidationError: the value does not parse
+        TrainerConfig.env(min_batch="twelve")
+    with pytest.raises(ValueError, match="None cannot be written"):
+        TrainerConfig.env(max_updates=None)
+    # today's values, as the dicts were written by hand before
+    assert DEMO_TRAINER_ENV == {
+        "SPANRL_TRAINER_LR": "5e-5", "SPANRL_TRAINER_LOSS_AGG": "token_mean", "SPANRL_TRAINER_BATCHING": "barrier",
+        "SPANRL_TRAINER_MINI_BATCHES": "2", "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false",
+        "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true"}
+    assert CHAOS_ENV == {
+        "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
+        "SPANRL_REWARD_WINDOW_S": "25", "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12",
+        "SPANRL_TRAINER_IDLE_FLUSH_S": "5", "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
+        "SPANRL_TRAINER_KEEP_PUBLISHED": "4"}
+
+
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
     assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 138
