@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -74,9 +73,11 @@ def measure(vllm_url: str | None) -> dict:
 
 
 def run_subprocess(args: list[str] | None = None, timeout: float = 900) -> dict:
+    from spanrl.infra.settings import child_env
+
     p = subprocess.run([sys.executable, "-m", "bench.checkpoint_reload", *(args or [])], cwd=REPO,
                        capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env=child_env({"PYTHONPATH": str(REPO)}))
     if p.returncode:
         return {"error": p.stderr[-2000:]}
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -30,6 +30,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from spanrl.infra.settings import child_env
 from spanrl.infra.stack import stop_process_group as stop
 from bench.workload import (Shape, export_ok, exporter, proc_cpu_s, proc_peak_rss_mb, reward_of,
                             rollout_spans)
@@ -157,7 +158,7 @@ class SpanrlSide:
 
     def start_bridge(self, port: int, name: str) -> subprocess.Popen:
         """A bridge process on ``port`` writing to this run's topics; log ``<workdir>/<name>.log``."""
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = child_env({"PYTHONPATH": str(REPO)})
         return subprocess.Popen(
             [sys.executable, "-m", "spanrl.producers.bridge", "--port", str(port), "--grpc-port", "0",
              "--topic-prefix", self.prefix],
@@ -167,7 +168,7 @@ class SpanrlSide:
     def start_worker(self, web_port: int, cwd: Path, name: str) -> subprocess.Popen:
         """A Faust worker of this run's app id (one consumer group) with web port ``web_port``;
         ``cwd`` holds its ``<app_id>-data`` (one per worker process); log ``<workdir>/<name>.log``."""
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = child_env({"PYTHONPATH": str(REPO)})
         wenv = {**env, "SPANRL_STREAM_APP_ID": self.app_id, "SPANRL_FAUST_WEB_PORT": str(web_port),
                 "SPANRL_SPANS_TOPIC": self.names["spans"], "SPANRL_REWARDS_TOPIC": self.names["rewards"],
                 "SPANRL_ROLLOUTS_TOPIC": self.names["rollouts"],
@@ -404,7 +405,7 @@ def start_agl_store(a, tmp: Path) -> tuple[Path, dict, int, subprocess.Popen]:
     the caller waits for ``/v1/agl/health`` and stops it."""
     venv = agl_venv(a)
     port = free_port()
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(REPO)}
+    env = child_env({"LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(REPO)})
     tmp.mkdir(parents=True, exist_ok=True)
     store = subprocess.Popen([str(venv / "bin" / "agl"), "store", "--backend", "memory", "--host", "127.0.0.1",
                               "--port", str(port), "--log-level", "WARNING"],

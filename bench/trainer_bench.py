@@ -196,9 +196,11 @@ def _checkpoint_bytes(model, adapter: dict | None) -> int:
 
 def run_subprocess(args: list[str] | None = None, timeout: float = 1200) -> dict:
     """Run in a fresh process (DeepSpeed initialises torch.distributed once per process)."""
+    from spanrl.infra.settings import child_env
+
     p = subprocess.run([sys.executable, "-m", "bench.trainer_bench", *(args or [])], cwd=REPO,
                        capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env=child_env({"PYTHONPATH": str(REPO)}))
     if p.returncode:
         return {"error": p.stderr[-2000:]}
     return json.loads(p.stdout.strip().splitlines()[-1])

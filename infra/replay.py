@@ -15,7 +15,6 @@ there like any other span (running the join again would write ``spans``).
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import Settings, StreamSettings, TrainerConfig, child_env, env_value, get_settings
 from spanrl.infra.stack import ROOT, ensure_topics, stop_process_group
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
@@ -210,14 +209,13 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
         asyncio.run(_seek_group_to_time(s, app_id, cfg.since_ms))
     state = (ROOT / s.state_dir).resolve()
     (state / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-           "SPANRL_STREAM_APP_ID": app_id, "SPANRL_CREDIT_RULE": cfg.credit_rule,
-           "SPANRL_AIR_RULES": cfg.air_rules or "",
-           "SPANRL_TRANSITIONS_TOPIC": transitions.name, "SPANRL_SAMPLES_TOPIC": samples.name,
-           "SPANRL_DEAD_LETTER_TOPIC": dead.name, "SPANRL_CALL_ACCOUNTS_TOPIC": accounts.name,
-           "SPANRL_TRAIN_AGENTS": cfg.train_agents or "", "SPANRL_FAUST_WEB_PORT": str(_free_port()),
-           "SPANRL_STREAM_JOIN_TRACES": "false",
-           "SPANRL_GROUP_TIMEOUT_S": os.environ.get("SPANRL_GROUP_TIMEOUT_S", "30")}
+    env = child_env({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+                    StreamSettings.env(stream_app_id=app_id, credit_rule=cfg.credit_rule, air_rules=cfg.air_rules or "",
+                                       transitions_topic=transitions.name, samples_topic=samples.name,
+                                       dead_letter_topic=dead.name, call_accounts_topic=accounts.name,
+                                       train_agents=cfg.train_agents or "", stream_join_traces=False,
+                                       group_timeout_s=env_value("SPANRL_GROUP_TIMEOUT_S", "30")),
+                    Settings.env(faust_web_port=_free_port()))
     log_path = state / "logs" / f"replay-{cfg.suffix}.log"
     t0 = time.monotonic()
     with open(log_path, "ab") as out:
@@ -255,16 +253,14 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print) -> di
 def train_replayed(cfg: ReplayConfig, samples_topic: str, s: Settings, log=print) -> dict:
     """Train run ``replay-<suffix>`` from checkpoint ``cfg.train_from`` on the replayed samples."""
     run = f"replay-{cfg.suffix}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "SPANRL_TRAINER_RUN": run, "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
-           "SPANRL_TRAINER_INIT_FROM": cfg.train_from, "SPANRL_TRAINER_START": "earliest",
-           "SPANRL_TRAINER_MAX_UPDATES": str(cfg.train_updates), "SPANRL_TRAINER_HTTP": "false",
-           "SPANRL_TRAINER_IDLE_FLUSH_S": "3",
-           # replayed samples are off-policy by design (made by the original run's versions):
-           # trained with the importance ratio capped (trainer/staleness.py), not refused
-           "SPANRL_TRAINER_STALE_POLICY": os.environ.get("SPANRL_TRAINER_STALE_POLICY", "keep")}
-    if cfg.train_max_batch is not None:
-        env["SPANRL_TRAINER_MAX_BATCH"] = env["SPANRL_TRAINER_MIN_BATCH"] = str(cfg.train_max_batch)
+    batch = {} if cfg.train_max_batch is None else {"max_batch": cfg.train_max_batch, "min_batch": cfg.train_max_batch}
+    env = child_env({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                    TrainerConfig.env(run=run, samples_topic=samples_topic, init_from=cfg.train_from, start="earliest",
+                                      max_updates=cfg.train_updates, http=False, idle_flush_s="3",
+                                      # replayed samples are off-policy by design (made by the original
+                                      # run's versions): trained with the importance ratio capped
+                                      # (trainer/staleness.py), not refused
+                                      stale_policy=env_value("SPANRL_TRAINER_STALE_POLICY", "keep"), **batch))
     log(f"training run {run} from {cfg.train_from} on {samples_topic}")
     state = (ROOT / s.state_dir).resolve()
     with open(state / "logs" / f"trainer-{run}.log", "ab") as out:

@@ -17,7 +17,7 @@ import asyncio
 import sys
 from typing import Mapping
 
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import Settings, check_environment, get_settings
 from spanrl.infra.stack import Stack
 from spanrl.schemas import topics as T
 
@@ -56,6 +56,7 @@ async def setup(s: Settings, replication_factor: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    check_environment()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replication-factor", type=int, default=1)
     a = ap.parse_args(argv)

@@ -22,7 +22,8 @@ from typing import Callable
 
 import httpx
 
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import (STACK_TRAINER_START, Settings, StackSettings, check_environment, child_env,
+                                   env_value, get_settings)
 from spanrl.schemas import topics as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +105,7 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "OMP_NUM_THREADS": env_value("OMP_NUM_THREADS", "1"),
             "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",
             "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
             "VLLM_CACHE_ROOT": f"{cache}/vllm",
@@ -113,6 +114,7 @@ class Stack:
 
     def _components(self) -> dict[str, Component]:
         s = self.s
+        stack_settings = StackSettings()
         py = [self.python, "-m"]
         kafka_libs = s.cache_dir / f"kafka-{s.kafka_version}" / "libs"
         comps = [
@@ -141,8 +143,8 @@ class Stack:
                 "vllm",
                 py + ["spanrl.infra.vllm_server", *vllm_args(s)],
                 env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1",
-                     "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                     "OMP_NUM_THREADS": os.environ.get("SPANRL_VLLM_THREADS", "2")},
+                     "VLLM_CPU_KVCACHE_SPACE": env_value("VLLM_CPU_KVCACHE_SPACE", "2"),
+                     "OMP_NUM_THREADS": stack_settings.vllm_threads},
                 health=lambda: _http_ok(f"{s.vllm_url}/health"),
                 start_timeout_s=300,
             ),
@@ -158,10 +160,10 @@ class Stack:
                       health=lambda: _http_ok(f"http://{s.host}:{s.faust_web_port}/spanrl/health/"),
                       start_timeout_s=120),
             Component("trainer", py + ["spanrl.trainer.train"],
-                      env={"OMP_NUM_THREADS": os.environ.get("SPANRL_TRAINER_THREADS", "2"),
+                      env={"OMP_NUM_THREADS": stack_settings.trainer_threads,
                            # a new run trains on samples produced from now on, not on the
-                           # samples of earlier runs kept in the topic
-                           "SPANRL_TRAINER_START": os.environ.get("SPANRL_TRAINER_START", "latest")},
+                           # samples of earlier runs kept in the topic (unless set)
+                           "SPANRL_TRAINER_START": env_value("SPANRL_TRAINER_START", STACK_TRAINER_START)},
                       health=lambda: _http_ok(f"http://{s.host}:{s.trainer_port}/health"),
                       start_timeout_s=300),
             Component("reloader", py + ["spanrl.trainer.reloader"],
@@ -257,7 +259,7 @@ class Stack:
         self.pids.mkdir(parents=True, exist_ok=True)
         if comp.prepare:
             comp.prepare()
-        env = {**os.environ, **self.service_env(), **comp.env, **(extra_env or {})}
+        env = child_env(self.service_env(), comp.env, extra_env)
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(comp.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -297,7 +299,9 @@ class Stack:
         (self.pids / f"{name}.pid").unlink(missing_ok=True)
 
     def up(self, names: list[str] | None = None, progress: Callable[[str], None] | None = None) -> None:
-        """Start ``names`` (default: all) in dependency order."""
+        """Start ``names`` (default: all) in dependency order. An undeclared ``SPANRL_*``
+        variable in the environment (a misspelt setting) raises UnknownSetting first."""
+        check_environment()
         for name in names or list(self.components):
             if progress:
                 progress(name)

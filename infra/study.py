@@ -20,7 +20,6 @@ is the plumbing (stack up, main job, stack down, per seed).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -251,24 +250,24 @@ def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = F
     run at start-up); raises RuntimeError if it is up."""
     from examples.agents import agent_spec
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
-    from spanrl.infra.settings import get_settings
+    from spanrl.infra.settings import get_settings, set_env, setdefault_env
     from spanrl.infra.stack import Stack
 
     if Stack().running("trainer"):
         raise RuntimeError("the stack is up: a study starts its own stack per seed (stop it with `make down`)")
     spec = agent_spec(size.get("agent", "math"))
     for k, v in DEMO_TRAINER_ENV.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)
+        setdefault_env(k, v)
+    setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     dirs, repeats = [], {}
 
     def one(seed: int, name: str) -> Path:
-        os.environ["SPANRL_SEED"] = str(seed)
-        os.environ["SPANRL_RUN"] = f"study-{stamp}-{name}"
+        set_env("SPANRL_SEED", str(seed))
+        set_env("SPANRL_RUN", f"study-{stamp}-{name}")
         get_settings.cache_clear()
         stack = Stack(get_settings())
-        console.rule(f"seed {seed} (run {os.environ['SPANRL_RUN']})")
+        console.rule(f"seed {seed} (run {get_settings().run})")
         stack.up()
         d = out / name.replace("s", "seed-", 1)
         try:

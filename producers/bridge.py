@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
@@ -44,6 +43,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from pydantic import BaseModel, Field, SecretStr
 
+from spanrl.infra.settings import ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import claims, edge, ids, otlp_grpc, production
 from spanrl.producers import metrics as prom
 from spanrl.producers.edge import BadRequest
@@ -61,7 +61,7 @@ from spanrl.producers.otlp import (
 from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.bridge")
-DEFAULT_MAX_BODY = int(os.environ.get("SPANRL_BRIDGE_MAX_BODY_BYTES", 8 << 20))
+DEFAULT_MAX_BODY = ProducerSettings().bridge_max_body_bytes
 RETRY_AFTER_S = "5"
 BUFFER_RETRY_AFTER_S = "1"  # the buffer drains as fast as Kafka acks, usually in milliseconds
 DEFAULT_MAX_INFLIGHT = 64 << 20
@@ -374,6 +374,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
 def main(argv: list[str] | None = None) -> None:
     from spanrl.infra.settings import get_settings
 
+    check_environment()
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default=s.host)
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grpc-port", type=int, default=s.bridge_grpc_port,
                    help="OTLP/gRPC port (SPANRL_BRIDGE_GRPC_PORT); 0: no gRPC receiver")
     p.add_argument("--kafka-bootstrap", default=s.kafka_bootstrap)
-    p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
+    p.add_argument("--topic-prefix", default=TopicSettings().topic_prefix)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     p.add_argument("--max-inflight-bytes", type=int, default=s.bridge_max_inflight_bytes)
     a = p.parse_args(argv)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from spanrl.infra.settings import TopicSettings
 from spanrl.schemas import codec, topics
 from spanrl.schemas.topics import Topic
 
@@ -55,7 +55,7 @@ class Topics:
     @classmethod
     def from_env(cls) -> "Topics":
         """Default topics, prefixed by ``$SPANRL_TOPIC_PREFIX`` when set."""
-        prefix = os.environ.get("SPANRL_TOPIC_PREFIX", "")
+        prefix = TopicSettings().topic_prefix
         return cls.with_prefix(prefix) if prefix else cls()
 
     def all(self) -> tuple[Topic, ...]:

@@ -45,7 +45,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import secrets
 import time
 from collections import Counter
@@ -59,6 +58,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
+from spanrl.infra.settings import ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import (claims, edge, ids, messages, production, response_ids, responses, seeding,
                               streaming)
 from spanrl.producers import metrics as prom
@@ -859,6 +859,7 @@ def tool_attributes(body: dict, response: dict, choice: int = 0) -> dict[str, st
 def main(argv: list[str] | None = None) -> None:
     from spanrl.infra.settings import get_settings
 
+    check_environment()
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default=s.host)
@@ -866,8 +867,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-url", default=s.vllm_url)
     p.add_argument("--model-name", default=s.model_name)
     p.add_argument("--kafka-bootstrap", default=s.kafka_bootstrap)
-    p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
-    p.add_argument("--policy-version", type=int, default=int(os.environ.get("SPANRL_POLICY_VERSION", 0)),
+    p.add_argument("--topic-prefix", default=TopicSettings().topic_prefix)
+    p.add_argument("--policy-version", type=int, default=ProducerSettings().policy_version,
                    help="label used until the reloader answers")
     p.add_argument("--reloader-url", default=f"http://{s.host}:{s.reloader_port}",
                    help="reloader asked for the served policy version ('' = never)")

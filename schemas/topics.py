@@ -7,8 +7,9 @@ co-partitioning").
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from spanrl.infra.settings import TopicSettings
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -45,7 +46,7 @@ class Topic:
 #: and tick topics): ``SPANRL_ROLLOUT_PARTITIONS``, the same in every process of a deployment,
 #: at least the number of Faust workers (infra/README.md, "Growing past one machine"). Fixed
 #: once the topics exist: a keyed topic's partition count is part of where its keys live.
-ROLLOUT_PARTITIONS = int(os.environ.get("SPANRL_ROLLOUT_PARTITIONS", "4"))
+ROLLOUT_PARTITIONS = TopicSettings().rollout_partitions
 
 SPANS = Topic("spans", "rollout_id", "span", ROLLOUT_PARTITIONS, retention_ms=-1)
 REWARDS = Topic("rewards", "rollout_id", "reward", ROLLOUT_PARTITIONS, retention_ms=-1)

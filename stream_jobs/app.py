@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Mapping, MutableMapping
@@ -28,6 +27,7 @@ from typing import Any
 
 import faust
 
+from spanrl.infra.settings import Settings, StreamSettings, check_environment, get_settings
 from spanrl.producers import claims
 from spanrl.producers import metrics as prom
 from spanrl.schemas import codec, topics
@@ -44,89 +44,93 @@ from spanrl.stream_jobs.credit import parse_credit_rule
 log = logging.getLogger(__name__)
 
 
+_S = StreamSettings.default
+_HOST = Settings.default("host")
+
+
 @dataclass(frozen=True)
 class StreamConfig:
-    """Everything the app reads from the environment (see README for the variables)."""
+    """Everything the app reads from the environment: the stream job's section of the
+    settings (:class:`spanrl.infra.settings.StreamSettings`, README's settings table, which
+    also gives each default) and the stack-wide addresses."""
 
-    app_id: str = "spanrl-stream"
-    bootstrap: str = "127.0.0.1:19092"
-    web_host: str = "127.0.0.1"
-    web_port: int = 16066
-    spans_topic: str = topics.SPANS.name
-    rewards_topic: str = topics.REWARDS.name
-    rollouts_topic: str = topics.ROLLOUTS.name
-    transitions_topic: str = topics.TRANSITIONS.name
-    samples_topic: str = topics.SAMPLES.name
-    dead_letter_topic: str = topics.DEAD_LETTER.name
-    call_accounts_topic: str = topics.CALL_ACCOUNTS.name
-    orphan_spans_topic: str = topics.ORPHAN_SPANS.name
+    app_id: str = _S("stream_app_id")
+    bootstrap: str = f"{_HOST}:{Settings.default('kafka_port')}"
+    web_host: str = _HOST
+    web_port: int = Settings.default("faust_web_port")
+    spans_topic: str = _S("spans_topic")
+    rewards_topic: str = _S("rewards_topic")
+    rollouts_topic: str = _S("rollouts_topic")
+    transitions_topic: str = _S("transitions_topic")
+    samples_topic: str = _S("samples_topic")
+    dead_letter_topic: str = _S("dead_letter_topic")
+    call_accounts_topic: str = _S("call_accounts_topic")
+    orphan_spans_topic: str = _S("orphan_spans_topic")
     #: join spans without a rollout id to the rollout of a proxy call of their trace
     #: (``SPANRL_STREAM_JOIN_TRACES``; a replay turns it off: what joined is on spans already)
-    join_traces: bool = True
-    orphan_timeout_s: float = 300.0
-    credit_rule: str = "identical"
+    join_traces: bool = _S("stream_join_traces")
+    orphan_timeout_s: float = _S("orphan_timeout_s")
+    credit_rule: str = _S("credit_rule")
     #: AIR: intermediate rewards from span facts (``SPANRL_AIR_RULES``, stream_jobs/air.py; "": none)
-    air_rules: str = ""
+    air_rules: str = _S("air_rules")
     #: whose calls train (``SPANRL_TRAIN_AGENTS``: names, or ``re:EXPR``; None: every call)
     train_agents: assembly.AgentSelector | None = None
-    reward_timeout_s: float = 60.0
+    reward_timeout_s: float = _S("reward_timeout_s")
     #: late rewards: a parked attempt takes its final reward this long after its end
-    reward_window_s: float = 7 * 24 * 3600.0
-    group_timeout_s: float = 120.0
-    rollout_timeout_s: float = 900.0
-    settle_s: float = 2.0
+    reward_window_s: float = _S("reward_window_s")
+    group_timeout_s: float = _S("group_timeout_s")
+    rollout_timeout_s: float = _S("rollout_timeout_s")
+    settle_s: float = _S("settle_s")
     #: a production rollout (no runner) ends after this long without input (assembly.production_end)
-    production_idle_s: float = 300.0
-    retain_s: float = 3600.0
-    tick_s: float = 0.5
-    commit_interval_s: float = 0.5
-    linger_s: float = 0.02
-    payload_bucket: str = "spanrl-payloads"
-    claim_retry_s: float = 30.0
+    production_idle_s: float = _S("production_idle_s")
+    retain_s: float = _S("stream_retain_s")
+    tick_s: float = _S("stream_tick_s")
+    commit_interval_s: float = _S("stream_commit_interval_s")
+    linger_s: float = _S("stream_linger_s")
+    payload_bucket: str = Settings.default("payload_bucket")
+    claim_retry_s: float = _S("claim_retry_s")
     #: replication factor of the topics Faust creates (changelogs, tick and trace-link topics);
     #: ``SPANRL_STREAM_REPLICATION_FACTOR``, 3 on a 3-broker cluster (infra/deploy/)
-    replication_factor: int = 1
+    replication_factor: int = _S("stream_replication_factor")
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "StreamConfig":
-        from spanrl.infra.settings import get_settings
-
-        env = dict(os.environ if env is None else env)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "StreamConfig":
+        """The config from ``env`` (a mapping of ``SPANRL_*`` names; default: the process
+        environment) and the process's stack-wide settings."""
+        st = StreamSettings.from_environ(env)
         s = get_settings()
-        agents = assembly.parse_train_agents(env.get("SPANRL_TRAIN_AGENTS"))
-        g = env.get
         return cls(
-            app_id=g("SPANRL_STREAM_APP_ID", "spanrl-stream"),
+            app_id=st.stream_app_id,
             bootstrap=s.kafka_bootstrap,
             web_host=s.host,
             web_port=s.faust_web_port,
-            spans_topic=g("SPANRL_SPANS_TOPIC", topics.SPANS.name),
-            rewards_topic=g("SPANRL_REWARDS_TOPIC", topics.REWARDS.name),
-            rollouts_topic=g("SPANRL_ROLLOUTS_TOPIC", topics.ROLLOUTS.name),
-            transitions_topic=g("SPANRL_TRANSITIONS_TOPIC", topics.TRANSITIONS.name),
-            samples_topic=g("SPANRL_SAMPLES_TOPIC", topics.SAMPLES.name),
-            dead_letter_topic=g("SPANRL_DEAD_LETTER_TOPIC", topics.DEAD_LETTER.name),
-            call_accounts_topic=g("SPANRL_CALL_ACCOUNTS_TOPIC", topics.CALL_ACCOUNTS.name),
-            orphan_spans_topic=g("SPANRL_ORPHAN_SPANS_TOPIC", topics.ORPHAN_SPANS.name),
-            join_traces=g("SPANRL_STREAM_JOIN_TRACES", "true").strip().lower() not in ("0", "false", "no", "off"),
-            orphan_timeout_s=float(g("SPANRL_ORPHAN_TIMEOUT_S", "300")),
-            credit_rule=g("SPANRL_CREDIT_RULE", "identical"),
-            air_rules=g("SPANRL_AIR_RULES", ""),
-            train_agents=agents,
-            reward_timeout_s=float(g("SPANRL_REWARD_TIMEOUT_S", "60")),
-            reward_window_s=float(g("SPANRL_REWARD_WINDOW_S", str(7 * 24 * 3600))),
-            group_timeout_s=float(g("SPANRL_GROUP_TIMEOUT_S", "120")),
-            rollout_timeout_s=float(g("SPANRL_ROLLOUT_TIMEOUT_S", "900")),
-            settle_s=float(g("SPANRL_SETTLE_S", "2")),
-            production_idle_s=float(g("SPANRL_PRODUCTION_IDLE_S", "300")),
-            retain_s=float(g("SPANRL_STREAM_RETAIN_S", "3600")),
-            tick_s=float(g("SPANRL_STREAM_TICK_S", "0.5")),
-            commit_interval_s=float(g("SPANRL_STREAM_COMMIT_INTERVAL_S", "0.5")),
-            linger_s=float(g("SPANRL_STREAM_LINGER_S", "0.02")),
+            spans_topic=st.spans_topic,
+            rewards_topic=st.rewards_topic,
+            rollouts_topic=st.rollouts_topic,
+            transitions_topic=st.transitions_topic,
+            samples_topic=st.samples_topic,
+            dead_letter_topic=st.dead_letter_topic,
+            call_accounts_topic=st.call_accounts_topic,
+            orphan_spans_topic=st.orphan_spans_topic,
+            join_traces=st.stream_join_traces,
+            orphan_timeout_s=st.orphan_timeout_s,
+            credit_rule=st.credit_rule,
+            air_rules=st.air_rules,
+            train_agents=assembly.parse_train_agents(st.train_agents),
+            reward_timeout_s=st.reward_timeout_s,
+            reward_window_s=st.reward_window_s,
+            group_timeout_s=st.group_timeout_s,
+            rollout_timeout_s=st.rollout_timeout_s,
+            settle_s=st.settle_s,
+            production_idle_s=st.production_idle_s,
+            retain_s=st.stream_retain_s,
+            tick_s=st.stream_tick_s,
+            commit_interval_s=st.stream_commit_interval_s,
+            linger_s=st.stream_linger_s,
             payload_bucket=s.payload_bucket,
-            claim_retry_s=float(g("SPANRL_CLAIM_RETRY_S", "30")),
-            replication_factor=int(g("SPANRL_STREAM_REPLICATION_FACTOR", "1")),
+            claim_retry_s=st.claim_retry_s,
+            replication_factor=st.stream_replication_factor,
         )
 
 
@@ -883,6 +887,8 @@ def _key_text(key: bytes | None) -> str | None:
         return None
 
 
+if __name__ == "__main__":
+    check_environment()  # before the app reads its settings: a misspelt SPANRL_* stops the worker here
 app = make_app()
 
 if __name__ == "__main__":

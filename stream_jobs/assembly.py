@@ -106,6 +106,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
+from spanrl.infra.settings import StreamSettings
 from spanrl.producers import production, response_ids
 from spanrl.stream_jobs import air
 from spanrl.stream_jobs import dead_letters as dl
@@ -203,13 +204,14 @@ class AssemblyConfig:
 
     credit_rule: CreditRule = field(default_factory=lambda: parse_credit_rule("identical"))
     agents: AgentSelector | frozenset[str] | None = None
-    reward_timeout_s: float = 60.0
-    rollout_timeout_s: float = 900.0
-    settle_s: float = 2.0
+    reward_timeout_s: float = StreamSettings.default("reward_timeout_s")
+    rollout_timeout_s: float = StreamSettings.default("rollout_timeout_s")
+    settle_s: float = StreamSettings.default("settle_s")
     max_call_bytes: int | None = None
-    production_idle_s: float = 300.0  # a production rollout's idle end (:func:`production_end`)
+    #: a production rollout's idle end (:func:`production_end`)
+    production_idle_s: float = StreamSettings.default("production_idle_s")
     #: late rewards: how long after its end a parked attempt still takes its final reward
-    reward_window_s: float = 7 * 24 * 3600.0
+    reward_window_s: float = StreamSettings.default("reward_window_s")
 
     def __post_init__(self):
         if self.agents is not None and not isinstance(self.agents, AgentSelector):

@@ -53,6 +53,7 @@ import math
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
+from spanrl.infra.settings import StreamSettings
 from spanrl.schemas import codec
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import grpo_advantages, group_stats
@@ -67,9 +68,9 @@ RECENT_CLOSED_SPANS_MAX = 4096
 class GroupingConfig:
     """late_join_s: how long a short closed group takes late members (the app: the reward window)."""
 
-    group_timeout_s: float = 120.0
+    group_timeout_s: float = StreamSettings.default("group_timeout_s")
     eps: float = 1e-6
-    late_join_s: float = 7 * 24 * 3600.0
+    late_join_s: float = StreamSettings.default("reward_window_s")
 
 
 @dataclass

@@ -63,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
+from spanrl.infra.settings import StreamSettings
 from spanrl.producers import response_ids
 from spanrl.schemas import codec
 from spanrl.stream_jobs import dead_letters as dl
@@ -83,8 +84,8 @@ class JoinConfig:
     tick clock, stream_jobs/clock.py, only sees the join's inputs); orphan_topic: the topic
     orphans are read from (``source_topic`` of those dead letters)."""
 
-    orphan_timeout_s: float = 300.0
-    orphan_topic: str = "orphan-spans"
+    orphan_timeout_s: float = StreamSettings.default("orphan_timeout_s")
+    orphan_topic: str = StreamSettings.default("orphan_spans_topic")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spanrl.infra.settings import TrainerConfig
 from spanrl.trainer import checkpoint
 
 if TYPE_CHECKING:  # torch, peft and safetensors are imported where used: manifests need none of them
@@ -29,7 +30,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 #: the target modules' key prefix in peft's saved state dict (PeftModel -> LoraModel -> HF model)
 PEFT_PREFIX = "base_model.model."
 #: the attention and MLP projections of Qwen2 / Llama (SmolLM2) decoder layers
-DEFAULT_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+DEFAULT_TARGET_MODULES = TrainerConfig.default("lora_target_modules")
 #: suffix of the reloader's merged copy beside a downloaded adapter checkpoint (``000003.merged``)
 MERGED_SUFFIX = ".merged"
 #: in a merged copy: what it was merged from (adapter manifest sha256, base dir), so it is reused only for that

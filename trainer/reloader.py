@@ -61,10 +61,7 @@ import time
 from pathlib import Path
 
 import httpx
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from spanrl.infra.settings import get_settings
-from spanrl.schemas import topics
+from spanrl.infra.settings import ReloaderConfig, check_environment, get_settings
 from spanrl.trainer import checkpoint, lora, tracking
 from spanrl.trainer.train import _partitions, base_model_id, read_announcements, start_http
 
@@ -73,38 +70,6 @@ log = logging.getLogger("spanrl.reloader")
 
 class CheckpointNotFound(LookupError):
     """No published checkpoint (manifest) at the asked run and version."""
-
-
-class ReloaderConfig(BaseSettings):
-    """Reloader knobs; each can be set as ``SPANRL_RELOADER_<FIELD>``."""
-
-    model_config = SettingsConfigDict(env_prefix="SPANRL_RELOADER_", extra="ignore")
-
-    run: str | None = None  # default: settings.run
-    checkpoints_topic: str = topics.CHECKPOINTS.name
-    #: latest: reload the newest existing announcement of the run, then follow;
-    #: end: only announcements made after start; beginning: replay all (oldest first)
-    start: str = "latest"
-    from_version: int = 1  # ignore announcements below this version
-    pause_mode: str = "wait"  # vLLM /pause mode: wait (finish in-flight), abort, keep
-    vllm_url: str | None = None  # default: settings.vllm_url
-    proxy_url: str | None = None  # default: settings.proxy_url
-    reload_timeout_s: float = 600.0
-    max_announcements: int | None = None  # stop after handling this many (tests)
-    watch_interval_s: float = 1.0  # poll vLLM /health this often; 0 = do not watch
-    http: bool = True
-    keep_local: int = 2  # local checkpoint copies kept per run (0: all); MinIO keeps every version
-    #: release gate (trainer/gate.py): evaluate each new checkpoint on held-out tasks before it
-    #: becomes the served policy; off by default (it holds vLLM for the evaluation, and the
-    #: agent and tasks it runs are the user's choice)
-    gate: bool = False
-    gate_agent: str = "examples.math_agent.agent:math_agent"
-    gate_task_set: str = "arith_word"
-    gate_seed: int = 1000  # the held-out seed; items [gate_offset, gate_offset + gate_tasks)
-    gate_offset: int = 200  # past the 200 the main job reports, so serving decisions never saw those
-    gate_tasks: int = 40
-    gate_tolerance: float = 0.0  # refuse when worse than the incumbent by more, with 95% confidence
-    gate_concurrency: int = 8
 
 
 def vllm_watch_action(up: bool, synced: bool, now: float, next_apply_at: float) -> str:
@@ -679,6 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--start", choices=["latest", "end", "beginning"])
     ap.add_argument("--from-version", type=int)
     args = ap.parse_args(argv)
+    check_environment()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: v for k, v in {"run": args.run, "start": args.start,
                                    "from_version": args.from_version}.items() if v is not None}

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -39,10 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from spanrl.infra.settings import get_settings
-from spanrl.schemas import topics
+from spanrl.infra import settings as env
+from spanrl.infra.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
 
 log = logging.getLogger("spanrl.trainer")
@@ -53,102 +50,12 @@ _MODEL_FILES = {"config.json", "model.safetensors", "model.safetensors.index.jso
 
 #: completion positions whose log-probs are computed at once (losses.chunked_token_logprobs):
 #: ~3 x 256 x 49,152 float32 = 150 MB of logits at a time for SmolLM2; 0: the full logits of a
-#: micro-batch's completion window (losses.token_logprobs), the path before issue 20
-LOGPROB_CHUNK = 256
+#: micro-batch's completion window (losses.token_logprobs), the path before issue 20. The
+#: trainer's setting ``SPANRL_TRAINER_LOGPROB_CHUNK`` (declared in infra/settings.py)
+LOGPROB_CHUNK = TrainerConfig.default("logprob_chunk")
 #: elements per ZeRO gradient-reduction / all-gather bucket: DeepSpeed's default 5e8 is 2 GB of
 #: float32 staged per backward (~0.5 GB of it touched for a 135M model); this is 80 MB
 BUCKET_ELEMENTS = 20_000_000
-
-
-class TrainerConfig(BaseSettings):
-    """Trainer knobs; each can be set as ``SPANRL_TRAINER_<FIELD>``."""
-
-    model_config = SettingsConfigDict(env_prefix="SPANRL_TRAINER_", extra="ignore")
-
-    run: str | None = None  # default: settings.run
-    base_dir: Path | None = None  # default: settings.model_dir
-    samples_topic: str = topics.SAMPLES.name
-    checkpoints_topic: str = topics.CHECKPOINTS.name
-    algorithm: str = "grpo"  # grpo: use each sample's group advantage; reinforce_pp: batch-normalised rewards
-    #: grpo, a sample of a group of one: "batch" = the REINFORCE++ batch baseline
-    #: (losses.singleton_batch_advantages), "zero" = GRPO's 0 (such samples do not train)
-    singleton_advantage: str = "batch"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    clip_eps: float = 0.2
-    #: how tokens are weighed in the loss: token_mean | sequence_mean | per_rollout_mean
-    #: (losses.sequence_loss_weights)
-    loss_agg: str = "token_mean"
-    #: grpo: divide the group baseline's residual by the group's std (GRPO); false: Dr. GRPO's
-    #: ``R - group_mean`` (losses.dr_grpo_advantages)
-    advantage_std_scale: bool = True
-    #: leave out samples of groups whose rollouts all got the same return before an update
-    #: (DAPO's dynamic-sampling filter, losses.zero_variance_samples); counted per update
-    drop_zero_variance: bool = False
-    #: scale of negative advantages (losses.negative_weighted_advantages; Zhu et al. 2025's
-    #: weighted REINFORCE): 1 = the plain objective, 0 = positive samples only
-    negative_advantage_weight: float = 1.0
-    #: grpo: per-token advantages from the prefix tree of each group's completions of one
-    #: prompt (losses.prefix_tree_advantages, TreeRL's global advantage): a token shared with
-    #: other completions gets the mean return of those that share it, minus the baseline
-    prefix_tree_advantage: bool = False
-    #: weight of the k3 KL to the reference policy (the base weights, a frozen second copy
-    #: of the model in memory: +1 model of RAM and one more forward per micro-batch); 0: off,
-    #: no reference model is loaded (DeepSeekMath eq. 4)
-    kl_coef: float = 0.0
-    #: optimizer steps per update: the update's samples in content order cut into this many
-    #: mini-batches (losses.mini_batch_indices), one step each, every PPO epoch
-    mini_batches: int = 1
-    #: when an update happens: ``stream`` (min_batch samples buffered, or idle_flush_s without
-    #: new ones; max_batch at most) or ``barrier`` (only on ``POST /admin/train`` with the
-    #: offsets to train up to: every buffered sample below them is one update, whatever its
-    #: count; a run whose batches do not depend on timing, the main job's deterministic mode)
-    batching: str = "stream"
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    min_batch: int = 16
-    max_batch: int = 64
-    idle_flush_s: float = 10.0
-    micro_batch: int = 8  # at most this many sequences per micro-batch ...
-    micro_batch_tokens: int = 2048  # ... and at most this many padded tokens
-    #: recompute each decoder layer's activations in backward (HF gradient checkpointing,
-    #: non-reentrant) instead of keeping them: ~1.3 MB -> ~0.07 MB kept per token for SmolLM2,
-    #: one more forward per micro-batch (trainer/README.md, "Memory")
-    activation_checkpointing: bool = True
-    #: LoRA (trainer/lora.py, Hu et al. 2021): > 0 trains rank-``lora_rank`` adapters on
-    #: ``lora_target_modules`` with every base weight frozen (peft); checkpoints hold only the
-    #: adapter, the reloader merges it into the base for vLLM; the KL reference is the same model
-    #: with the adapter disabled. 0: full fine-tuning
-    lora_rank: int = 0
-    #: the adapter's output is scaled by lora_alpha / lora_rank (Hu et al. s4.1: alpha is fixed,
-    #: not tuned, so a change of rank needs no new learning rate); 32 = 2 x a rank of 16
-    lora_alpha: float = 32.0
-    #: dropout on each adapter's input while training (peft's lora_dropout)
-    lora_dropout: float = 0.0
-    #: comma-separated module names that get adapters (peft matches the end of a module's path)
-    lora_target_modules: str = lora.DEFAULT_TARGET_MODULES
-    #: completion positions per log-prob chunk (losses.chunked_token_logprobs); 0: full logits
-    logprob_chunk: int = LOGPROB_CHUNK
-    max_tokens: int = 4096
-    checkpoint_every: int = 1
-    keep_local: int = 2  # local checkpoint copies kept per run (0: all)
-    #: published versions whose weights stay in MinIO (0: all; older ones keep their manifest)
-    keep_published: int = 0
-    init_from: str | None = None  # "RUN:VERSION": a new run starts from that checkpoint (replay)
-    start: str = "earliest"  # where a run with no checkpoint starts reading samples: earliest|latest
-    max_updates: int | None = None  # stop after this many updates (tests, benchmarks)
-    log_path: Path | None = None  # JSON lines; default: settings.state_dir/trainer-<run>.jsonl
-    http: bool = True
-    #: torch's seed (None: the run seed SPANRL_SEED, else 0)
-    seed: int | None = None
-    #: staleness bound (trainer/staleness.py): the largest lag, trained version minus a
-    #: sample's behaviour version, trained as usual (< 0: no bound); beyond it a sample is
-    #: refused (dead letter ``stale_sample``) or, ``stale_policy=keep``, trained with the
-    #: importance ratio capped at ``ratio_cap`` (dual-clip; the whole update, as kept samples are in it)
-    max_staleness: int = 4
-    stale_policy: str = "refuse"
-    ratio_cap: float = 3.0
-    dead_letter_topic: str = topics.DEAD_LETTER.name
 
 
 # ---- engine ---------------------------------------------------------------------------
@@ -207,32 +114,35 @@ def init_distributed() -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(get_settings().cache_dir / "torch_extensions"))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host = rendezvous_bind_address(os.environ.get("MASTER_ADDR"))
-    os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR") or host
+    # torch's launcher variables, in the process environment (DeepSpeed reads them there too)
+    rank = int(env.setdefault_env("RANK", "0"))
+    world = int(env.setdefault_env("WORLD_SIZE", "1"))
+    env.setdefault_env("LOCAL_RANK", "0")
+    env.setdefault_env("TORCH_EXTENSIONS_DIR", str(get_settings().cache_dir / "torch_extensions"))
+    host = rendezvous_bind_address(env.env_value("MASTER_ADDR"))
+    env.set_env("MASTER_ADDR", env.env_value("MASTER_ADDR") or host)
     timeout = datetime.timedelta(minutes=10)
     if rank == 0:
-        sock = _listening_socket(host, int(os.environ.get("MASTER_PORT", 0)))
-        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-        store = torch.distributed.TCPStore(host, int(os.environ["MASTER_PORT"]), world, True, timeout,
+        sock = _listening_socket(host, int(env.env_value("MASTER_PORT", "0")))
+        env.set_env("MASTER_PORT", str(sock.getsockname()[1]))
+        store = torch.distributed.TCPStore(host, int(env.env_value("MASTER_PORT")), world, True, timeout,
                                            master_listen_fd=sock.detach())  # the store owns the fd now
     else:
-        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        store = torch.distributed.TCPStore(env.env_value("MASTER_ADDR"), int(env.env_value("MASTER_PORT")), world,
                                            False, timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo" and host in ("127.0.0.1", "::1") and sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own listeners on loopback too
+        env.setdefault_env("GLOO_SOCKET_IFNAME", "lo")  # gloo's own listeners on loopback too
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
 
 
-def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float) -> dict:
-    """DeepSpeed config: ZeRO-2. GPU: bf16 + FusedAdam (the "AdamW" optimizer block) as in
-    trainer/ds_config_gpu.json. CPU: fp32, the optimizer is passed in by build_engine."""
+def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float,
+                     gpu: bool | None = None) -> dict:
+    """The one DeepSpeed config: ZeRO-2. GPU: bf16 + FusedAdam (the "AdamW" optimizer block).
+    CPU: fp32, the optimizer is passed in by build_engine. ``gpu``: None = whether CUDA is
+    available. ``python -m spanrl.trainer.train --deepspeed-config [--gpu]`` prints it as JSON
+    for the trainer's settings (there is no second copy in a file)."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,  # accumulation is driven explicitly in train_update
@@ -244,7 +154,7 @@ def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() if gpu is None else gpu:
         cfg["bf16"] = {"enabled": True}
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                         "weight_decay": weight_decay}}
@@ -1303,11 +1213,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", help="run name (default SPANRL_TRAINER_RUN or SPANRL_RUN)")
     ap.add_argument("--base-dir", type=Path, help="base model dir (default settings.model_dir)")
     ap.add_argument("--max-updates", type=int)
+    ap.add_argument("--deepspeed-config", action="store_true",
+                    help="print the DeepSpeed config the trainer's settings give (JSON) and exit")
+    ap.add_argument("--gpu", action="store_true", help="with --deepspeed-config: the GPU config (bf16, FusedAdam)")
     args = ap.parse_args(argv)
+    check_environment()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: v for k, v in {"run": args.run, "base_dir": args.base_dir,
                                    "max_updates": args.max_updates}.items() if v is not None}
     cfg = TrainerConfig(**overrides)
+    if args.deepspeed_config:
+        print(json.dumps(deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay,
+                                          gpu=args.gpu or None), indent=2))
+        return
     trainer = Trainer(cfg)
 
     async def run() -> None:

@@ -25,7 +25,6 @@ import asyncio
 import functools
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
@@ -48,20 +47,20 @@ from spanrl.trainer import tracking
 #: Chosen in LEARNING.md: lr 1e-5 (the trainer's default) moves this 135M policy too little
 #: in a 30-minute run; lr 1e-4 learned once and collapsed once; updates are cut per
 #: iteration (barrier), not by idle time, so a run seed repeats the run.
-DEMO_TRAINER_ENV = {
-    "SPANRL_TRAINER_LR": "5e-5",
-    "SPANRL_TRAINER_LOSS_AGG": "token_mean",
+DEMO_TRAINER_ENV = TrainerConfig.env(
+    lr="5e-5",
+    loss_agg="token_mean",
     # one update per iteration on exactly that iteration's samples (POST /admin/train), so a
     # run's batches do not depend on timing and every call of an iteration is served by one
     # version; two optimizer steps per update (mini-batches in content order)
-    "SPANRL_TRAINER_BATCHING": "barrier",
-    "SPANRL_TRAINER_MINI_BATCHES": "2",
+    batching="barrier",
+    mini_batches="2",
     # Dr. GRPO: R - group mean, no division by the group's std, so a format-only group
     # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (LEARNING.md)
-    "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false",
+    advantage_std_scale="false",
     # zero-variance groups give no gradient: left out before the update (counted per update)
-    "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true",
-}
+    drop_zero_variance="true",
+)
 
 
 @dataclass
@@ -558,8 +557,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "agents": dict(sorted(agents_total.items())),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "seed": s.seed,
-        "trainer_env": {k: os.environ.get(k, v) for k, v in DEMO_TRAINER_ENV.items()},
-        "trainer_settings": {k: v for k, v in os.environ.items() if k.startswith("SPANRL_TRAINER_")},
+        "trainer_env": {k: env_value(k, v) for k, v in DEMO_TRAINER_ENV.items()},
+        "trainer_settings": env_with_prefix("SPANRL_TRAINER_"),
         "trainer_updates": _trainer_updates(s),
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],
         "policy_versions_served": sorted({v for r in results for v in r.policy_versions_served}),

@@ -36,7 +36,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.templating import Jinja2Templates
 
 from spanrl.infra.dashboard import charts, views
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.infra.settings import (DashboardSettings, Settings, StreamSettings, TopicSettings, check_environment,
+                                   get_settings)
 from spanrl.producers.edge import bearer_headers, token_value
 from spanrl.schemas import codec
 from spanrl.schemas import topics as T
@@ -232,9 +233,8 @@ def create_app(s: Settings, prefix: str = "", stream_group: str | None = None,
     ``tail=False`` for tests that feed ``app.state.tail`` themselves."""
     names = {prefix + t.name: t for t in TAILED}
     state = Tail(views.Views(max_rollouts=s.dashboard_max_rollouts))
-    sources = Sources(s, prefix, stream_group or os.environ.get("SPANRL_STREAM_APP_ID", "spanrl-stream"),
-                      eval_dirs or [Path(p) for p in os.environ.get("SPANRL_DASHBOARD_EVAL_DIRS",
-                                                                    "results/eval:results").split(os.pathsep) if p])
+    sources = Sources(s, prefix, stream_group or StreamSettings().stream_app_id,
+                      eval_dirs or [Path(p) for p in DashboardSettings().dashboard_eval_dirs.split(os.pathsep) if p])
     tok: dict = {}
 
     def tokenizer():
@@ -352,11 +352,12 @@ def create_app(s: Settings, prefix: str = "", stream_group: str | None = None,
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    check_environment()
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default=s.host)
     p.add_argument("--port", type=int, default=s.dashboard_port)
-    p.add_argument("--topic-prefix", default=os.environ.get("SPANRL_TOPIC_PREFIX", ""))
+    p.add_argument("--topic-prefix", default=TopicSettings().topic_prefix)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(create_app(s, a.topic_prefix), host=a.host, port=a.port, log_level="warning")

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from spanrl.infra.settings import Settings
+from spanrl.infra.settings import Settings, known_names
 from spanrl.infra.stack import ROOT, vllm_args
 from spanrl.schemas import topics
 
@@ -211,24 +211,8 @@ def test_every_command_names_a_module_entry_point_with_its_flags():
 
 
 def _known_env_vars() -> set[str]:
-    """SPANRL_* variables the code reads: fields of every pydantic-settings class
-    (``env_prefix`` + field name), and string constants that are exactly a variable name
-    (``os.environ.get("SPANRL_...")``, ``StreamConfig.from_env``)."""
-    known = set()
-    for pkg in PACKAGES:
-        for f in (ROOT / pkg).rglob("*.py"):
-            tree = ast.parse(f.read_text())
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                        and re.fullmatch(r"SPANRL_[A-Z0-9_]+", node.value):
-                    known.add(node.value)
-                if isinstance(node, ast.ClassDef):
-                    prefix = next((kw.value.value for n in ast.walk(node) if isinstance(n, ast.Call)
-                                   for kw in n.keywords if kw.arg == "env_prefix"), None)
-                    if prefix:
-                        known |= {prefix + s.target.id.upper() for s in node.body
-                                  if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-    return known
+    """SPANRL_* variables the code reads: every one is declared in infra/settings.py."""
+    return set(known_names())
 
 
 def _set_env_vars() -> list[tuple[str, str]]:
