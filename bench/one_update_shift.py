@@ -168,10 +168,13 @@ def main(argv: list[str] | None = None) -> None:
 
     s = get_settings()
     if args.cmd == "dump":
-        from spanrl.infra.replay import read_topic
+        from spanrl.infra.replay import read_records
         from spanrl.schemas import topics as T
+        from spanrl.schemas import decode
 
-        xs = asyncio.run(read_topic(s.kafka_bootstrap, T.SAMPLES))
+        # each sample with where it lies (a checkpoint manifest's consumed_offsets name ranges)
+        xs = [{**decode(T.SAMPLES.record, v), "_partition": p, "_offset": o}
+              for p, o, _, v in asyncio.run(read_records(s.kafka_bootstrap, T.SAMPLES.name))]
         args.out.write_text(json.dumps(xs))
         console.print(f"{len(xs)} samples -> {args.out}")
         return

@@ -352,6 +352,11 @@ def study(
         console.print(f"held-out {mode}: per seed " + ", ".join(
             f"{x['difference']['estimate']:+.3f} [{x['difference']['low']:+.3f}, {x['difference']['high']:+.3f}]"
             for x in blk["per_seed"]) + f"; pooled {p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]")
+    fmt = lambda d: " / ".join(f"{d[k]:+.3f}" if k in d else "n/a" for k in ("positive", "negative"))  # noqa: E731
+    for p in report["per_seed"]:
+        console.print(f"seed {p['seed']}: log-prob shift +/- under the final policy, iteration 0's completions "
+                      f"{fmt(p['logprob_shift_of_iteration0_completions'])}, every iteration's "
+                      f"{fmt(p['logprob_shift_of_all_completions'])} (nats/token)")
     for seed, r in report.get("repeatability", {}).items():
         console.print(f"seed {seed} twice: {'repeatable' if r['repeatable'] else 'NOT repeatable'} (held-out "
                       f"episodes); weights {'identical' if r['weights_identical'] else 'not identical'}: identical "

@@ -89,6 +89,10 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
             "seed": seed, "run": summ.get("run"), "wall_s": summ.get("wall_s"),
             "logprob_shift_of_iteration0_completions": {
                 k: v.get("delta") for k, v in (summ.get("logprob_shift_of_iteration0_completions") or {}).items()},
+            # every trained completion against its own behaviour policy (absent before session 19)
+            "logprob_shift_of_all_completions": {
+                k: v.get("delta") for k, v in ((summ.get("logprob_shift_of_all_completions") or {}).get("all")
+                                               or {}).items()},
             "heldout_per_kind": summ.get("heldout_per_kind"),
             "tool_use_and_calls": {m: {p: {"tool_use_rate": r.get("tool_use_rate"),
                                            "mean_llm_calls": r.get("mean_llm_calls")}
@@ -106,9 +110,14 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
     out["logprob_shift_every_seed"] = {
         "positive_up": all((s.get("positive") or 0) > 0 for s in shifts),
         "negative_down": all((s.get("negative") or 0) < 0 for s in shifts)}
+    every = [p["logprob_shift_of_all_completions"] for p in out["per_seed"]]
+    out["logprob_shift_of_all_completions_every_seed"] = {
+        "positive_up": all((s.get("positive") or 0) > 0 for s in every),
+        "negative_down": all((s.get("negative") or 0) < 0 for s in every)}
     h = out["heldout"]
     # issue 18's target: both modes above 0 in each of at least 3 seeds, none below its base,
     # and iteration 0's rewarded completions more likely, punished ones less, in every seed
+    # (the strict reading: the pooled all-completions figure is reported beside it, not counted)
     out["target_met"] = len(seeds) >= 3 and len(h) == 2 and all(
         h[m]["every_seed_above_zero"] and h[m]["no_seed_below_base"] for m in ("greedy", "sampled")) and all(
         out["logprob_shift_every_seed"].values())

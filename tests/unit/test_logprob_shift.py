@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from examples.math_agent.main_job import logprob_shift, samples_missing
+from examples.math_agent.main_job import logprob_shift, logprob_shift_all, samples_missing
 
 
 def _sample(adv: float, prompt: list[int], completion: list[int], behaviour: list[float]) -> dict:
@@ -84,3 +84,25 @@ def test_samples_missing_waits_for_every_trained_call_of_a_group():
     assert samples_missing({"r1", "r2", "r3", "r4"}, accounts, [_s("r1", "a"), _s("r2", "c")], {"r4"}) == {("r1", "b")}
     assert samples_missing({"r1", "r2", "r3", "r4"}, accounts, [_s("r1", "a"), _s("r1", "b"), _s("r2", "c")],
                            {"r4"}) == set()
+
+
+def test_shift_of_every_iteration_pooled_and_per_iteration_scored_once():
+    """logprob_shift_all's docstring example: iteration 0's rewarded completion moved -1.0 ->
+    -0.8 nats over 2 tokens, iteration 1's -0.5 -> -0.6 over 3: pooled (-1.4 - -1.5) / 5."""
+    final = {1: -0.8, 2: -0.6, 3: -2.0}
+    calls = []
+
+    def score(pairs):
+        calls.append(len(pairs))
+        return [final[prompt[0]] for prompt, _ in pairs]
+
+    it0 = [_sample(+1.0, [1], [5, 6], [-0.5, -0.5]), _sample(-1.0, [3], [7], [-1.0]), _sample(0.0, [9], [4], [-1.0])]
+    it1 = [_sample(+0.5, [2], [7, 8, 9], [-0.2, -0.2, -0.1])]
+    got = logprob_shift_all([it0, it1], score)
+    assert calls == [3]  # every non-zero-advantage completion once, in one call
+    assert got["all"]["positive"]["delta"] == pytest.approx(0.02)
+    assert got["all"]["positive"]["completions"] == 2 and got["all"]["positive"]["tokens"] == 5
+    assert got["all"]["negative"]["delta"] == pytest.approx(-1.0)
+    assert [p["positive"]["delta"] for p in got["per_iteration"]] == pytest.approx([0.1, -0.1 / 3])
+    assert got["per_iteration"][0] == logprob_shift(it0, score)
+    assert logprob_shift_all([], score) == {"all": {}, "per_iteration": []}

@@ -110,6 +110,13 @@ def test_study_report_per_seed_and_pooled():
                                                                         "negative": {"delta": -0.2}}}]
     r_fell = study.study_report([0, 1, 2], summaries + fell, heldout + heldout[:1], [])
     assert r_fell["logprob_shift_every_seed"]["positive_up"] is False and not r_fell["target_met"]
+    # the all-completions figure is reported per seed and across seeds, not part of the target
+    pooled = [{**summaries[0], "logprob_shift_of_all_completions": {"all": {"positive": {"delta": 0.02},
+                                                                            "negative": {"delta": -0.3}}}}]
+    r_all = study.study_report([0, 1, 2], pooled * 3, heldout + heldout[:1], [])
+    assert r_all["per_seed"][0]["logprob_shift_of_all_completions"] == {"positive": 0.02, "negative": -0.3}
+    assert r_all["logprob_shift_of_all_completions_every_seed"] == {"positive_up": True, "negative_down": True}
+    assert r3["logprob_shift_of_all_completions_every_seed"]["positive_up"] is False  # absent: not shown as met
     heldout[1]["sampled"]["paired"]["run:4 - base"]["success_rate"]["low"] = -0.05
     assert not study.study_report([0, 1, 2], summaries + summaries[:1], heldout + heldout[:1], [])["target_met"]
     heldout[1]["greedy"]["policies"]["base"]["per_episode"].pop()
