@@ -465,6 +465,9 @@ class TrainerConfig(Section):
                                           "(trainer/self_imitation.py, Self-Imitation Learning); in memory only: a "
                                           "restarted trainer starts with none; 0: off", unit="updates",
                                           readers="trainer")
+    self_imitation_weight: float = setting(1.0, "scale of a replayed sample's advantage (Self-Imitation Learning's "
+                                           "beta^sil): 1 = trained as its update trained it; read only when "
+                                           "self_imitation_updates > 0", readers="trainer")
     kl_coef: float = setting(0.0, "weight of the k3 KL to the reference policy (a frozen copy of the base weights); "
                              "0: off, no reference model is loaded", readers="trainer")
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "

@@ -47,12 +47,17 @@ class SelfImitationBuffer:
 
     ``entries()`` is what the next update replays; ``add(entries)`` appends one update's (an
     update with no positive sample still takes a slot, so "the last N updates" counts updates).
-    Raises ValueError for ``updates`` < 1."""
+    ``weight`` (SIL's ``beta^sil``, Oh et al. 2018 eq. 3) scales a replayed entry's advantage
+    when it is trained again (:meth:`replay_advantage`); 1: as its update trained it.
+    Raises ValueError for ``updates`` < 1 or ``weight`` <= 0."""
 
-    def __init__(self, updates: int):
+    def __init__(self, updates: int, weight: float = 1.0):
         if updates < 1:
             raise ValueError(f"a self-imitation buffer holds >= 1 update, got {updates}")
+        if not weight > 0:
+            raise ValueError(f"a self-imitation weight is > 0, got {weight}")
         self.updates = updates
+        self.weight = float(weight)
         self._per_update: deque[list[Entry]] = deque(maxlen=updates)
 
     def add(self, entries: list[Entry]) -> None:
@@ -63,3 +68,12 @@ class SelfImitationBuffer:
 
     def __len__(self) -> int:
         return sum(len(u) for u in self._per_update)
+
+    def replay_advantage(self, entry: Entry) -> "float | list[float]":
+        """The advantage ``entry`` is trained with when replayed: its update's advantage (float,
+        or with prefix-tree advantages the per-token row) times ``weight``.
+        Example: weight 2.0, entry advantage +0.25 -> +0.5; row [0.1, 0.3] -> [0.2, 0.6]."""
+        _, adv, row = entry
+        if row is None:
+            return adv * self.weight
+        return [v * self.weight for v in row]

@@ -357,7 +357,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     positive-advantage samples of earlier updates, each with the advantage it was trained with)
     are trained again beside the new samples, against their own behaviour log-probs (counted as
     ``replayed``, not in ``samples``); afterwards this update's positive-advantage samples are
-    added to it (Self-Imitation Learning, Oh et al. 2018). An update with no new sample left
+    added to it (Self-Imitation Learning, Oh et al. 2018); a replayed advantage is scaled by the
+    buffer's ``weight`` (SIL's beta^sil). An update with no new sample left
     takes no step and adds nothing.
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
@@ -401,14 +402,18 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     if self_imitation is not None:
         replay = self_imitation.entries()
         positives = positive_entries(samples, raw, per_token)  # added once the update is done
-        for s, a, row in replay:
+        for entry in replay:
+            s, a, row = entry
             if (row is None) != (per_token is None):
                 raise ValueError("a replayed sample's advantage is per token exactly when prefix_tree_advantage is on")
             samples.append(s)
             keys.append(sample_key(s))
-            advantages.append(a)
-            if per_token is not None:
-                per_token.append(row)
+            weighted = self_imitation.replay_advantage(entry)
+            if per_token is None:
+                advantages.append(weighted)
+            else:
+                advantages.append(a * self_imitation.weight)
+                per_token.append(weighted)
         base["replayed"] = len(replay)
         base["replayed_tokens"] = sum(len(s["transition"]["completion_token_ids"]) for s, _, _ in replay)
     minis = losses.mini_batch_indices(keys, mini_batches)
@@ -676,8 +681,10 @@ class Trainer:
             raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
         if cfg.self_imitation_updates < 0:
             raise ValueError(f"self_imitation_updates must be >= 0, got {cfg.self_imitation_updates}")
+        if not cfg.self_imitation_weight > 0:
+            raise ValueError(f"self_imitation_weight must be > 0, got {cfg.self_imitation_weight}")
         #: the positive-advantage samples of the last updates, trained again (None: off)
-        self.self_imitation = (SelfImitationBuffer(cfg.self_imitation_updates)
+        self.self_imitation = (SelfImitationBuffer(cfg.self_imitation_updates, cfg.self_imitation_weight)
                                if cfg.self_imitation_updates else None)
         #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
         self.adapter = lora.lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)

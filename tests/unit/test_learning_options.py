@@ -355,3 +355,30 @@ def test_an_update_without_new_samples_adds_nothing():
     buf.add([(_sample("t", 1.0, 0.5, 0.5, 0.5, [9]), 0.5, None)])
     m = train_update(build_engine(tiny_model(), lr=1e-2), flat, drop_zero_variance=True, self_imitation=buf)
     assert (m["steps"], m["replayed"]) == (0, 0) and len(buf) == 1
+
+
+def test_self_imitation_weight_scales_replayed_advantages():
+    """SIL's beta^sil: a replayed entry's advantage (or per-token row) times the weight; the
+    weight changes the update only through the replayed samples' share of the loss (Adam
+    would undo a common scale), so with new samples of their own it moves the weights
+    differently, and weight <= 0 is refused."""
+    buf = SelfImitationBuffer(1, weight=2.0)
+    assert buf.replay_advantage(({}, 0.25, None)) == 0.5
+    assert buf.replay_advantage(({}, 0.25, [0.1, 0.3])) == pytest.approx([0.2, 0.6])
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError):
+            SelfImitationBuffer(1, weight=bad)
+    batch = [s for s in _batch() if s["group_std"] > 0]
+    first = build_engine(tiny_model(), lr=1e-2, micro_batch=4)
+    seed = SelfImitationBuffer(1)
+    train_update(first, copy.deepcopy(batch), advantage_std_scale=False, self_imitation=seed)
+    after = {}
+    for weight in (1.0, 4.0):
+        model = tiny_model()
+        model.load_state_dict(first.module.state_dict())
+        e = build_engine(model, lr=1e-2, micro_batch=4)
+        b = SelfImitationBuffer(2, weight=weight)
+        b.add(seed.entries())
+        train_update(e, copy.deepcopy(batch), advantage_std_scale=False, self_imitation=b)
+        after[weight] = _params(e)
+    assert float((after[1.0] - after[4.0]).abs().max()) > 0.0
