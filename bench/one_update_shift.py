@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                    "(0, 1, ...; --version ignored), version 0's shift after each (run_chain)")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     s = get_settings()
     if args.cmd == "dump":
