@@ -149,6 +149,24 @@ def run_chain(by_version: dict[int, list[dict]], settings: list[dict], model_dir
     return rows
 
 
+def final_shift(samples: list[dict], weights_dir: Path) -> dict:
+    """The main job's end-of-run figures for a recorded run, offline: every completion of
+    ``samples`` (a dump of one run's samples) against its behaviour log-probs under the weights
+    in ``weights_dir`` (a checkpoint: model.safetensors + config.json), pooled and per behaviour
+    version (``main_job.logprob_shift_all``), scored in the trainer's own forward."""
+    from examples.math_agent.main_job import logprob_shift_all
+    from spanrl.trainer.train import load_model
+
+    model = load_model(weights_dir)
+    by_version: dict[int, list[dict]] = {}
+    for x in samples:
+        by_version.setdefault(x["transition"]["policy_version"], []).append(x)
+    got = logprob_shift_all([by_version[v] for v in sorted(by_version)],
+                            lambda pairs: completion_logprob_sums(model, pairs))
+    return {"all": _deltas(got["all"]), "per_version": {v: _deltas(x) for v, x in zip(sorted(by_version),
+                                                                                        got["per_iteration"])}}
+
+
 def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
@@ -162,6 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--setting", action="append", required=True, type=parse_setting)
     r.add_argument("--chain", action="store_true", help="one update per recorded version in order "
                    "(0, 1, ...; --version ignored), version 0's shift after each (run_chain)")
+    f = sub.add_parser("final", help="every completion's shift under a checkpoint's weights (final_shift)")
+    f.add_argument("samples", type=Path)
+    f.add_argument("weights", type=Path, help="a checkpoint folder (model.safetensors, config.json)")
+    f.add_argument("--offsets", default=None, help="FIRST:END: only samples at these offsets of the dump "
+                                                 "(one run's range, from its checkpoints' consumed_offsets)")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
     from spanrl.core.settings import get_settings
@@ -179,6 +202,12 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"{len(xs)} samples -> {args.out}")
         return
     every = json.loads(args.samples.read_text())
+    if args.cmd == "final":
+        if args.offsets:
+            first, end = (int(v) for v in args.offsets.split(":"))
+            every = [x for x in every if first <= x["_offset"] < end]
+        print(json.dumps(final_shift(every, args.weights)), flush=True)
+        return
     if args.chain:
         by_version: dict[int, list[dict]] = {}
         for x in every:

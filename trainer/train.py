@@ -42,6 +42,7 @@ from spanrl.core import settings as env
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
+from spanrl.trainer.self_imitation import SelfImitationBuffer, positive_entries
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -338,7 +339,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  singleton_advantage: str = "batch", ratio_cap: float | None = None,
                  advantage_std_scale: bool = True, drop_zero_variance: bool = False,
                  mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK,
-                 negative_advantage_weight: float = 1.0, prefix_tree_advantage: bool = False) -> dict:
+                 negative_advantage_weight: float = 1.0, prefix_tree_advantage: bool = False,
+                 self_imitation: SelfImitationBuffer | None = None) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
@@ -352,6 +354,12 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     completions of its group and prompt that share the prefix up to it
     (:func:`token_advantages`, TreeRL's global advantage); the negative weight then applies
     per token. Raises ValueError with ``reinforce_pp``.
+    ``self_imitation`` (a :class:`self_imitation.SelfImitationBuffer`): its entries (the
+    positive-advantage samples of earlier updates, each with the advantage it was trained with)
+    are trained again beside the new samples, against their own behaviour log-probs (counted as
+    ``replayed``, not in ``samples``); afterwards this update's positive-advantage samples are
+    added to it (Self-Imitation Learning, Oh et al. 2018). An update with no new sample left
+    takes no step and adds nothing.
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
     ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
@@ -377,6 +385,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         samples = [s for s, z in zip(samples, zero) if not z]
     base = {"samples_received": received, "dropped_zero_variance": dropped, "samples": len(samples),
             "loss_agg": loss_agg, "mini_batches": 0, "steps": 0}
+    if self_imitation is not None:
+        base["replayed"] = 0
     if not samples:
         return {**base, "update_s": time.perf_counter() - t0}
     use_ref = ref_model is not None
@@ -388,6 +398,20 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             raise ValueError(f"prefix_tree_advantage needs algorithm 'grpo', got {algorithm!r}")
         per_token = [losses.negative_weighted_advantages(row, negative_advantage_weight)
                      for row in token_advantages(samples, raw, advantage_std_scale)]
+    n_new = len(samples)  # samples[:n_new] are this update's; the rest are replayed
+    if self_imitation is not None:
+        replay = self_imitation.entries()
+        positives = positive_entries(samples, raw, per_token)  # added once the update is done
+        for s, a, row in replay:
+            if (row is None) != (per_token is None):
+                raise ValueError("a replayed sample's advantage is per token exactly when prefix_tree_advantage is on")
+            samples.append(s)
+            keys.append(sample_key(s))
+            advantages.append(a)
+            if per_token is not None:
+                per_token.append(row)
+        base["replayed"] = len(replay)
+        base["replayed_tokens"] = sum(len(s["transition"]["completion_token_ids"]) for s, _, _ in replay)
     minis = losses.mini_batch_indices(keys, mini_batches)
     plan = []  # per mini-batch: (micro-batch tensors, per-sample weights, completion tokens)
     for mini in minis:
@@ -452,6 +476,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         if epoch == 0:
             stats = epoch_stats  # metrics of the first epoch: ratio vs. the behaviour policy
     engine.set_gradient_accumulation_boundary(None)
+    if self_imitation is not None:
+        self_imitation.add(positives)
     dt = time.perf_counter() - t0
     total_tokens = sum(b.num_tokens for chunks, _, _, _ in plan for b in chunks)
     mean_adv = sum(advantages) / len(advantages)
@@ -464,8 +490,9 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         **stats,
         "lr": _learning_rate(engine),
         "advantage_std": (sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)) ** 0.5,
-        "mean_return": sum(s["transition"]["episode_return"] for s in samples) / len(samples),
-        "mean_reward": sum(s["transition"]["reward"] for s in samples) / len(samples),
+        # of this update's samples (replayed ones are in the advantage figures and the loss)
+        "mean_return": sum(s["transition"]["episode_return"] for s in samples[:n_new]) / n_new,
+        "mean_reward": sum(s["transition"]["reward"] for s in samples[:n_new]) / n_new,
         "mean_advantage": mean_adv,
         "weighted_advantage": weighted,
         "zero_advantage_fraction": sum(1 for a in advantages if abs(a) < 1e-9) / len(advantages),
@@ -569,6 +596,8 @@ class TrainerState:
     #: samples trained ({"lag": count}), samples refused (dead letter stale_sample) and kept
     staleness: dict = field(default_factory=lambda: {"max_staleness": None, "policy": None,
                                                      "lag_histogram": {}, "refused": 0, "kept": 0})
+    #: samples in the self-imitation buffer (SPANRL_TRAINER_SELF_IMITATION_UPDATES > 0; else 0)
+    self_imitation_samples: int = 0
 
 
 async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]:
@@ -634,6 +663,11 @@ class Trainer:
         losses.negative_weighted_advantages([], cfg.negative_advantage_weight)  # ValueError outside [0, 1]
         if cfg.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}")
+        if cfg.self_imitation_updates < 0:
+            raise ValueError(f"self_imitation_updates must be >= 0, got {cfg.self_imitation_updates}")
+        #: the positive-advantage samples of the last updates, trained again (None: off)
+        self.self_imitation = (SelfImitationBuffer(cfg.self_imitation_updates)
+                               if cfg.self_imitation_updates else None)
         #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
         self.adapter = lora.lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
         self.state.batching = cfg.batching
@@ -1043,7 +1077,7 @@ class Trainer:
                 advantage_std_scale=self.cfg.advantage_std_scale,
                 drop_zero_variance=self.cfg.drop_zero_variance,
                 negative_advantage_weight=self.cfg.negative_advantage_weight,
-                prefix_tree_advantage=self.cfg.prefix_tree_advantage,
+                prefix_tree_advantage=self.cfg.prefix_tree_advantage, self_imitation=self.self_imitation,
                 mini_batches=self.cfg.mini_batches, ref_model=self.ref_model, logprob_chunk=self.cfg.logprob_chunk)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)
@@ -1062,6 +1096,8 @@ class Trainer:
         metrics = {**metrics, "max_lag": max(lags), "mean_lag": sum(lags) / len(lags)}
         self.state.step += metrics["steps"]
         self.state.updates += 1
+        if self.self_imitation is not None:  # what the buffer holds now (in memory: not in checkpoints)
+            self.state.self_imitation_samples = len(self.self_imitation)
         self.state.last_metrics = metrics
         try:  # x axis: the optimizer step (continues across restarts: it is in the manifest)
             self.tracker.log(tracking.update_scalars(metrics, samples, trained_version), self.state.step)

@@ -463,6 +463,11 @@ class TrainerConfig(Section):
     prefix_tree_advantage: bool = setting(False, "grpo: per-token advantages from the prefix tree of each group's "
                                           "completions of one prompt (losses.prefix_tree_advantages, TreeRL's global "
                                           "advantage)", readers="trainer")
+    self_imitation_updates: int = setting(0, "> 0: the positive-advantage samples of the last this many updates are "
+                                          "trained again in each update, against their own behaviour log-probs "
+                                          "(trainer/self_imitation.py, Self-Imitation Learning); in memory only: a "
+                                          "restarted trainer starts with none; 0: off", unit="updates",
+                                          readers="trainer")
     kl_coef: float = setting(0.0, "weight of the k3 KL to the reference policy (a frozen copy of the base weights); "
                              "0: off, no reference model is loaded", readers="trainer")
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "

@@ -15,6 +15,7 @@ import deepspeed  # noqa: F401  (installed by infra/bootstrap.sh)
 from tiny_models import tiny_qwen2
 
 from spanrl.trainer import losses
+from spanrl.trainer.self_imitation import SelfImitationBuffer, positive_entries
 from spanrl.trainer.train import (build_engine, load_reference_model, sample_advantages, sample_key, token_advantages,
                                   train_update)
 
@@ -258,3 +259,99 @@ def test_prefix_tree_advantage_in_train_update():
     with pytest.raises(ValueError):
         train_update(build_engine(tiny_model(), lr=1e-2), copy.deepcopy(s), algorithm="reinforce_pp",
                      prefix_tree_advantage=True)
+
+
+# ---- self-imitation (SPANRL_TRAINER_SELF_IMITATION_UPDATES) --------------------------------
+
+def test_positive_entries_hand_computed():
+    s = [_sample("t", r, 0.5, 0.5, 0.0, [3 + i]) for i, r in enumerate((1.0, 0.5, 0.0, 0.6))]
+    got = positive_entries(s, [0.5, 0.0, -0.25, 0.1])
+    assert [(x is s[0], a, row) for x, a, row in got[:1]] == [(True, 0.5, None)]
+    assert [x["transition"]["completion_token_ids"] for x, _, _ in got] == [[3], [6]]
+    assert [a for _, a, _ in got] == [0.5, 0.1]
+    rows = [[0.0, 0.5], [0.0], [-0.25], [0.1, 0.1]]
+    assert [row for _, _, row in positive_entries(s, [0.5, 0.0, -0.25, 0.1], rows)] == [[0.0, 0.5], [0.1, 0.1]]
+    with pytest.raises(ValueError):
+        positive_entries(s, [0.5])
+    with pytest.raises(ValueError):
+        positive_entries(s, [0.5, 0.0, -0.25, 0.1], rows[:2])
+
+
+def test_self_imitation_buffer_keeps_the_last_updates():
+    buf = SelfImitationBuffer(2)
+    a, b, c = ({"id": k} for k in "abc")
+    buf.add([(a, 0.5, None)])
+    buf.add([])  # an update without positives still takes its slot
+    assert [x["id"] for x, _, _ in buf.entries()] == ["a"] and len(buf) == 1
+    buf.add([(b, 0.2, None), (c, 0.1, None)])  # a's update is now 3 updates old: dropped
+    assert [x["id"] for x, _, _ in buf.entries()] == ["b", "c"] and len(buf) == 2
+    with pytest.raises(ValueError):
+        SelfImitationBuffer(0)
+
+
+def _completion_logprob(engine, sample: dict) -> float:
+    t = sample["transition"]
+    ids = torch.tensor([t["prompt_token_ids"] + t["completion_token_ids"]])
+    with torch.no_grad():
+        logits = engine.module(input_ids=ids).logits
+    n = len(t["completion_token_ids"])
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    mask[0, -n:] = 1.0
+    return float(losses.token_logprobs(logits, ids, mask).sum())
+
+
+def test_self_imitation_in_train_update():
+    """Update 1 (Dr. GRPO) puts its positive-advantage samples, with the advantages it trained
+    them with (R - mean = +0.5), into the buffer, and only those. Update 2 is given only punished
+    samples with negative weight 0 (no gradient of their own): without the buffer it changes
+    nothing; with it, the replayed positives are what moves the weights, towards them (their
+    log-likelihood rises), and they are counted as replayed, not as samples."""
+    batch = [s for s in _batch() if s["group_std"] > 0]  # 2 groups: returns [1, 0, 0, 1]
+    negatives = copy.deepcopy([s for s in batch if s["transition"]["episode_return"] == 0.0])
+    buf = SelfImitationBuffer(3)
+    engine = build_engine(tiny_model(), lr=1e-2, micro_batch=4)
+    m1 = train_update(engine, copy.deepcopy(batch), advantage_std_scale=False, self_imitation=buf)
+    assert (m1["samples"], m1["replayed"]) == (8, 0)  # an empty buffer at the first update
+    assert len(buf) == 4
+    assert sorted(a for _, a, _ in buf.entries()) == [0.5] * 4
+    assert all(s["transition"]["episode_return"] == 1.0 for s, _, _ in buf.entries())
+    replayed = [s for s, _, _ in buf.entries()]
+    moved, gain = {}, {}
+    for use in (False, True):
+        model = tiny_model()
+        model.load_state_dict(engine.module.state_dict())  # update 1's weights (before the optimizer sees them)
+        e = build_engine(model, lr=1e-2, micro_batch=4)
+        before_p, before_lp = _params(e), sum(_completion_logprob(e, s) for s in replayed)
+        b = SelfImitationBuffer(3)
+        b.add(buf.entries())
+        m2 = train_update(e, copy.deepcopy(negatives), advantage_std_scale=False, negative_advantage_weight=0.0,
+                          self_imitation=b if use else None)
+        moved[use] = float((_params(e) - before_p).abs().max())
+        gain[use] = sum(_completion_logprob(e, s) for s in replayed) - before_lp
+        if use:
+            assert (m2["samples"], m2["replayed"], m2["replayed_tokens"]) == (4, 4, 12)
+            assert len(b) == 4  # update 1's positives stay (3 slots); update 2 had none: an empty slot
+        else:
+            assert "replayed" not in m2
+    assert moved[False] == 0.0 and moved[True] > 0.0
+    assert gain[True] > 0.0
+
+
+def test_self_imitation_with_prefix_tree_keeps_token_rows():
+    s = [_sample("t", 1.0, 0.5, 0.5, 1.0, [20, 21, 22]), _sample("t", 0.0, 0.5, 0.5, -1.0, [20, 30, 31])]
+    buf = SelfImitationBuffer(1)
+    train_update(build_engine(tiny_model(), lr=1e-2), copy.deepcopy(s), advantage_std_scale=False,
+                 prefix_tree_advantage=True, self_imitation=buf)
+    # the shared first token gets mean return - mean = 0, the rest R - mean = +0.5 (as trained)
+    assert [(a, row) for _, a, row in buf.entries()] == [(0.5, pytest.approx([0.0, 0.5, 0.5]))]
+    with pytest.raises(ValueError):  # a per-token entry replayed into a per-sample update
+        train_update(build_engine(tiny_model(), lr=1e-2), copy.deepcopy(s), advantage_std_scale=False,
+                     self_imitation=buf)
+
+
+def test_an_update_without_new_samples_adds_nothing():
+    flat = [s for s in _batch() if s["group_std"] == 0]
+    buf = SelfImitationBuffer(2)
+    buf.add([(_sample("t", 1.0, 0.5, 0.5, 0.5, [9]), 0.5, None)])
+    m = train_update(build_engine(tiny_model(), lr=1e-2), flat, drop_zero_variance=True, self_imitation=buf)
+    assert (m["steps"], m["replayed"]) == (0, 0) and len(buf) == 1
