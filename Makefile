@@ -3,7 +3,7 @@
 CACHE ?= $(or $(SPANRL_CACHE_DIR),$(HOME)/.cache/spanrl)
 PY := $(CACHE)/venv/bin/python
 export SPANRL_CACHE_DIR := $(CACHE)
-# MODEL=qwen2.5-coder-0.5b (any target): the base policy (infra/model.py's MODELS), prepared by
+# MODEL=qwen2.5-coder-0.5b (any target): the base policy (spanrl/core/model.py's MODELS), prepared by
 # bootstrap and served, trained and evaluated by the rest; default smollm2-135m
 ifdef MODEL
 export SPANRL_MODEL := $(MODEL)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def measure(vllm_url: str | None) -> dict:
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
     from spanrl.trainer import checkpoint
     from spanrl.trainer.train import load_model, save_checkpoint
 
@@ -73,7 +73,7 @@ def measure(vllm_url: str | None) -> dict:
 
 
 def run_subprocess(args: list[str] | None = None, timeout: float = 900) -> dict:
-    from spanrl.infra.settings import child_env
+    from spanrl.core.settings import child_env
 
     p = subprocess.run([sys.executable, "-m", "bench.checkpoint_reload", *(args or [])], cwd=REPO,
                        capture_output=True, text=True, timeout=timeout,
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     ap.add_argument("--allow-stack-vllm", action="store_true")
     a = ap.parse_args(argv)
     if a.vllm_url:
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         if a.vllm_url.rstrip("/") == get_settings().vllm_url and not a.allow_stack_vllm:
             sys.exit(f"{a.vllm_url} is the stack's vLLM; a reload pauses it. Pass --allow-stack-vllm to do it anyway.")

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  "(one run's range, from its checkpoints' consumed_offsets)")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     s = get_settings()
     if args.cmd == "dump":

@@ -30,7 +30,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from spanrl.infra.settings import child_env
+from spanrl.core.settings import child_env
 from spanrl.infra.stack import stop_process_group as stop
 from bench.workload import (Shape, export_ok, exporter, proc_cpu_s, proc_peak_rss_mb, reward_of,
                             rollout_spans)
@@ -98,7 +98,7 @@ def machine_info() -> dict:
 
 class SpanrlSide:
     def __init__(self, args, shape: Shape):
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         self.a, self.shape = args, shape
         self.bootstrap = get_settings().kafka_bootstrap
@@ -387,7 +387,7 @@ class SpanrlSide:
 
 def agl_venv(a) -> Path:
     """Agent Lightning's own venv under the data root, created once (stamp file)."""
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     root = get_settings().cache_dir / "bench"
     venv = root / "agl-venv"

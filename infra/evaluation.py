@@ -13,12 +13,11 @@ episode) plus the agent's own episode dict where it has one (``tool_calls``).
 Per policy: mean reward (bootstrap 95% interval), the rate of each reward component
 (Wilson), success = component ``correct``, format, tool use, mean LLM calls per episode;
 between two policies on the same tasks: paired differences of reward and success with
-paired-bootstrap intervals (``infra/intervals.py``). JSON + PNG.
+paired-bootstrap intervals (``spanrl/core/intervals.py``). JSON + PNG.
 """
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,8 +26,8 @@ from typing import Any, Callable
 
 import httpx
 
-from spanrl.infra import intervals
-from spanrl.infra.settings import Settings, get_settings
+from spanrl.core import intervals, plugins
+from spanrl.core.settings import ReloaderConfig, Settings, get_settings
 from spanrl.schemas import topics as T
 
 SUCCESS_COMPONENT = "correct"
@@ -77,9 +76,8 @@ def parse_policy(spec: str, default_run: str | None = None) -> tuple[str | None,
 
 def load_agent(path: str) -> Callable:
     """The callable named ``module:attribute``; EvalError when it does not exist."""
-    module, _, attr = path.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        return plugins.resolve(path)
     except (ImportError, AttributeError, ValueError) as exc:
         raise EvalError(f"agent {path!r} not found: {exc}") from exc
 
@@ -159,7 +157,7 @@ def _reloader(s: Settings) -> str:
 
 
 def _post(url: str, body: dict, s: Settings, timeout: float = 900.0) -> dict:
-    from spanrl.producers.edge import bearer_headers
+    from spanrl.core.edge import bearer_headers
 
     try:
         r = httpx.post(url, json=body, timeout=timeout, headers=bearer_headers(s.auth_token))
@@ -260,6 +258,19 @@ async def run_policy_episodes(cfg: EvalConfig, s: Settings, tasks: list[dict], o
         await runner.sink.stop()
     records = await read_since(s, start)
     return episodes_from_records(records, attempts, eval_topics)
+
+
+async def gate_rewards(cfg: ReloaderConfig, s: Settings, name: str) -> dict[str, float]:
+    """The release gate's evaluation (trainer/gate.py ``GateEvaluation``, the default of
+    ``SPANRL_RELOADER_GATE_EVALUATION``): per-task reward of what vLLM serves now on the
+    gate's held-out tasks, ``[gate_offset, gate_offset + gate_tasks)`` of ``gate_task_set``
+    (an example's task set, examples/agents.py ``load_split``), the agent ``gate_agent`` run
+    greedily through the proxy's evaluation routes (recorded on the evaluation topics)."""
+    from examples.agents import load_split
+
+    tasks = load_split(cfg.gate_task_set, cfg.gate_seed, cfg.gate_offset + cfg.gate_tasks)[cfg.gate_offset:]
+    run = EvalConfig(agent=cfg.gate_agent, temperature=0.0, concurrency=cfg.gate_concurrency, name=name)
+    return per_task_means(await run_policy_episodes(run, s, tasks), lambda e: e.reward)
 
 
 def episodes_of(policy_report_: dict) -> list[Episode]:

@@ -20,7 +20,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from spanrl.stream_jobs import dead_letters as dl
+from spanrl.core import dead_letters as dl
 
 #: assembler reasons that end a whole attempt (all its calls are dead-lettered with it)
 ATTEMPT_REASONS = frozenset({

@@ -25,7 +25,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from spanrl.infra.settings import Settings, StreamSettings, TrainerConfig, child_env, env_value, get_settings
+from spanrl.core.settings import Settings, StreamSettings, TrainerConfig, child_env, env_value, get_settings
 from spanrl.infra.stack import ROOT, ensure_topics, stop_process_group
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T

@@ -17,7 +17,7 @@ import asyncio
 import sys
 from typing import Mapping
 
-from spanrl.infra.settings import Settings, check_environment, get_settings
+from spanrl.core.settings import Settings, check_environment, get_settings
 from spanrl.infra.stack import Stack
 from spanrl.schemas import topics as T
 

@@ -22,8 +22,8 @@ from typing import Callable
 
 import httpx
 
-from spanrl.infra.settings import (STACK_TRAINER_START, Settings, StackSettings, check_environment, child_env,
-                                   env_value, get_settings)
+from spanrl.core.settings import (STACK_TRAINER_START, Settings, StackSettings, check_environment, child_env, env_value,
+                                  get_settings)
 from spanrl.schemas import topics as T
 
 ROOT = Path(__file__).resolve().parent.parent

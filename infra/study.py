@@ -8,8 +8,8 @@ seed; producers/seeding.py), each on a fresh stack run, and reports per seed and
 - held-out correct rate, base and final, and the paired difference final - base with its
   95% interval, greedy and sampled (``heldout-<mode>.json`` of each seed);
 - pooled over seeds: the Student-t interval of the per-seed differences (run-to-run spread,
-  :func:`spanrl.infra.intervals.t_interval`) and the paired bootstrap of the per-task
-  differences averaged over seeds (:func:`spanrl.infra.intervals.pooled_paired_difference`);
+  :func:`spanrl.core.intervals.t_interval`) and the paired bootstrap of the per-task
+  differences averaged over seeds (:func:`spanrl.core.intervals.pooled_paired_difference`);
 - correct rate per task kind, calculator use, LLM calls per episode, the log-prob shift of
   iteration 0's completions, the out-of-distribution (``gsm_symbolic``) paired differences;
 - every seed's training curve in one PNG; the settings.
@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from spanrl.infra.intervals import pooled_paired_difference, t_interval
+from spanrl.core.intervals import pooled_paired_difference, t_interval
 
 MODES = ("greedy", "sampled")
 
@@ -259,7 +259,7 @@ def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = F
     run at start-up); raises RuntimeError if it is up."""
     from examples.agents import agent_spec
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
-    from spanrl.infra.settings import get_settings, set_env, setdefault_env
+    from spanrl.core.settings import get_settings, set_env, setdefault_env
     from spanrl.infra.stack import Stack
 
     if Stack().running("trainer"):

@@ -43,10 +43,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from pydantic import BaseModel, Field, SecretStr
 
-from spanrl.infra.settings import ProducerSettings, TopicSettings, check_environment
-from spanrl.producers import claims, edge, ids, otlp_grpc, production
-from spanrl.producers import metrics as prom
-from spanrl.producers.edge import BadRequest
+from spanrl.core import claims, ids, production
+from spanrl.core import metrics as prom
+from spanrl.core.edge import BadRequest
+from spanrl.core.settings import ProducerSettings, TopicSettings, check_environment
+from spanrl.producers import edge, otlp_grpc
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.otlp import (
     JSON,
@@ -111,7 +112,7 @@ OTLP_REASONS = {400: "invalid_otlp", 413: "body_too_large", 415: "unsupported_en
 def decode(body: bytes, content_encoding: str | None, max_body_bytes: int,
            content_type: str = PROTOBUF) -> ExportTraceServiceRequest:
     """:func:`~spanrl.producers.otlp.decode_request`, its OtlpError as a
-    :class:`~spanrl.producers.edge.BadRequest` with the reason of :data:`OTLP_REASONS` (what
+    :class:`~spanrl.core.edge.BadRequest` with the reason of :data:`OTLP_REASONS` (what
     both the HTTP route and the gRPC method answer)."""
     try:
         return decode_request(body, content_encoding, max_body_bytes, content_type)
@@ -121,7 +122,7 @@ def decode(body: bytes, content_encoding: str | None, max_body_bytes: int,
 
 class RewardIn(BaseModel):
     """POST /v1/rewards body: a reward from an evaluator that is not OTel-instrumented
-    (``rollout_id`` / ``attempt_id``: the limits of producers/ids.py, checked by the route)."""
+    (``rollout_id`` / ``attempt_id``: the limits of spanrl/core/ids.py, checked by the route)."""
 
     rollout_id: str
     attempt_id: str = "0"
@@ -135,7 +136,7 @@ class RewardIn(BaseModel):
 
 class RolloutEndIn(BaseModel):
     """POST /v1/rollouts/{rollout_id}/end body (all optional): the explicit end of a production
-    rollout (producers/production.py). ``task_id`` / ``group_size`` empty / 0: those of its calls."""
+    rollout (spanrl/core/production.py). ``task_id`` / ``group_size`` empty / 0: those of its calls."""
 
     attempt_id: str = production.PRODUCTION_ATTEMPT
     status: Literal["succeeded", "failed"] = "succeeded"
@@ -160,13 +161,13 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
     ``eval_topics``: where spans stamped ``spanrl.record_to=eval`` (evaluation episodes) and
     their rewards and dead letters go (default ``Topics.evaluation()``); nothing trains on them.
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
-    (producers/claims.py); default: MinIO and bucket of the settings."""
+    (spanrl/core/claims.py); default: MinIO and bucket of the settings."""
     metrics: Counter[str] = Counter()
     train_topics: Topics = sink.topics
     eval_topics = eval_topics or Topics.evaluation()
     inflight = InflightBuffer(max_inflight_bytes)
     if payload_bucket is None:
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         payload_bucket = get_settings().payload_bucket
     claim_client = claim_client or claims.make_client()
@@ -372,7 +373,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
 
 
 def main(argv: list[str] | None = None) -> None:
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     check_environment()
     s = get_settings()

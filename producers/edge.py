@@ -1,67 +1,24 @@
-"""The HTTP edge the bridge and the proxy share: optional bearer-token auth (RFC 6750
-``Authorization: Bearer``) and error details that are safe to send back.
+"""The FastAPI side of the HTTP edge the bridge and the proxy share: the bearer-token
+middleware (:class:`BearerAuth`) and error answers that are safe to send back.
 
-When a token is configured (``SPANRL_AUTH_TOKEN`` / ``SPANRL_AUTH_TOKEN_FILE``, see
-infra/settings.py) every request but ``GET /health`` must carry
-``Authorization: Bearer <token>``; otherwise the service answers 401 with a JSON reason
-(``missing_token`` or ``invalid_token``) and ``WWW-Authenticate: Bearer``. The token is
-compared in constant time and never logged or echoed.
+The rule itself (which routes are open, how a token is compared, :class:`BadRequest`) is on
+the floor, spanrl/core/edge.py, shared with the reloader, the evaluator and the dashboard:
+when a token is configured every request but ``GET /health`` must carry
+``Authorization: Bearer <token>``, else 401 with ``missing_token`` or ``invalid_token`` and
+``WWW-Authenticate: Bearer``.
 """
 from __future__ import annotations
 
-import hmac
 from typing import TYPE_CHECKING, Callable
 
 from pydantic import SecretStr
 
-if TYPE_CHECKING:  # the agent side (instrument, runner) uses the token helpers without FastAPI
+from spanrl.core.edge import MISSING_TOKEN, OPEN_ROUTES, check_bearer, token_value
+
+if TYPE_CHECKING:  # imported by the bridge and the proxy only; FastAPI is loaded when used
     from fastapi.exceptions import RequestValidationError
     from starlette.responses import Response
     from starlette.types import ASGIApp, Receive, Scope, Send
-
-MISSING_TOKEN = "missing_token"
-INVALID_TOKEN = "invalid_token"
-#: (method, path) answered without a token: liveness probes carry no secret
-OPEN_ROUTES = frozenset({("GET", "/health")})
-
-
-class BadRequest(ValueError):
-    """A client request a service refuses: HTTP ``status``, an OpenAI error ``reason`` (its
-    ``type``) and, when one request field is to blame, that field as ``param``; ``headers``
-    of the answer (``Retry-After`` of a 503: the refusal is the service's state, not the
-    request's, and a retry may pass)."""
-
-    def __init__(self, status: int, reason: str, detail: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(detail)
-        self.status, self.reason, self.detail, self.param = status, reason, detail, param
-        self.headers = headers
-
-
-def token_value(token: SecretStr | str | None) -> str | None:
-    """The token as plain text (None or empty: auth off)."""
-    value = token.get_secret_value() if isinstance(token, SecretStr) else token
-    return value or None
-
-
-def bearer_headers(token: SecretStr | str | None) -> dict[str, str]:
-    """``{"Authorization": "Bearer <token>"}`` for a client, ``{}`` when there is no token."""
-    value = token_value(token)
-    return {"Authorization": f"Bearer {value}"} if value else {}
-
-
-def check_bearer(authorization: bytes | None, token: bytes) -> str | None:
-    """None when the ``Authorization`` header value carries ``token``, else the 401 reason.
-
-    The scheme is case-insensitive (RFC 7235 s2.1); the credentials are compared with
-    :func:`hmac.compare_digest` so the time taken does not depend on where they differ.
-    """
-    if not authorization:
-        return MISSING_TOKEN
-    scheme, _, credentials = authorization.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        return MISSING_TOKEN
-    return None if hmac.compare_digest(credentials.strip(), token) else INVALID_TOKEN
 
 
 class BearerAuth:

@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace import Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from pydantic import SecretStr
 
+from spanrl.core.edge import bearer_headers
+from spanrl.core.production import PRODUCTION_ATTEMPT
 from spanrl.producers import seeding
-from spanrl.producers.edge import bearer_headers
-from spanrl.producers.production import PRODUCTION_ATTEMPT
 
 # spanrl attribute keys (the bridge reads the same names)
 ROLLOUT_ID = "spanrl.rollout_id"
@@ -129,7 +129,7 @@ def instrument(service_name: str, bridge_url: str | None = None, set_global: boo
     """
     global _provider
     if bridge_url is None or auth_token is None:
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         bridge_url = bridge_url or get_settings().bridge_url
         auth_token = auth_token or get_settings().auth_token
@@ -301,7 +301,7 @@ def emit_reward(value: float, final: bool = True, name: str = "reward", span_id:
     ``final=True``: the episode return R; ``False``: an intermediate reward, optionally
     tied to the call ``span_id``. ``components`` are named parts of the value.
     ``rollout_id``: reward that rollout instead (e.g. later, for a production agent's rollout:
-    the ``x-spanrl-rollout-id`` the proxy answered, producers/production.py; ``attempt_id``
+    the ``x-spanrl-rollout-id`` the proxy answered, spanrl/core/production.py; ``attempt_id``
     defaults to a production rollout's).
     Raises ValueError for NaN/inf, RuntimeError outside :func:`rollout_context` without
     ``rollout_id``.

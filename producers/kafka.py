@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from spanrl.infra.settings import TopicSettings
+from spanrl.core.settings import TopicSettings
 from spanrl.schemas import codec, topics
 from spanrl.schemas.topics import Topic
 

@@ -19,7 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from spanrl.producers import ids, production
+from spanrl.core import ids, production
 from spanrl.producers import instrument as keys
 
 #: the OTLP/HTTP media types (OTLP spec, "OTLP/HTTP": "Binary Protobuf Encoding", "JSON
@@ -415,10 +415,10 @@ def orphan_refusal(trace_id: bytes, kind: str, record_to: object) -> str | None:
 
 
 def id_refusal(rollout_id: str, attempt_id: str, task_id: object) -> tuple[str, str] | None:
-    """(what, why) when a span's ids break the limits of producers/ids.py, else None:
+    """(what, why) when a span's ids break the limits of spanrl/core/ids.py, else None:
     ``rollout_id`` (``spanrl.rollout_id``; ``""``: an orphan, not checked), ``attempt_id``
     (``spanrl.attempt_id`` as text; not checked for an orphan) and ``task_id`` (the
-    ``spanrl.task_id`` attribute a production call carries, producers/production.py; None:
+    ``spanrl.task_id`` attribute a production call carries, spanrl/core/production.py; None:
     absent, anything else as :func:`stringify` writes it into the record). ``what`` is
     ``"rollout"`` when the rollout id itself is bad (the dead letter cannot be keyed by
     it), else ``"attempt"`` / ``"task"``. Pure."""

@@ -1,7 +1,7 @@
 """OTLP/gRPC receiver of the bridge: ``opentelemetry.proto.collector.trace.v1.TraceService/Export``.
 
 The bridge serves it beside its HTTP server, in the same asyncio loop (``grpc.aio``), on its
-own port (``SPANRL_BRIDGE_GRPC_PORT``, the role of OTLP's 4317; infra/settings.py). A request
+own port (``SPANRL_BRIDGE_GRPC_PORT``, the role of OTLP's 4317; spanrl/core/settings.py). A request
 goes through the same function as an OTLP/HTTP protobuf body (``export`` of
 producers/bridge.py: :func:`spanrl.producers.otlp.decode_request`, then the same records to
 Kafka), so the same spans give the same records either way, with the same bearer token
@@ -43,6 +43,7 @@ from grpc import aio
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from pydantic import SecretStr
 
+from spanrl.core.edge import MISSING_TOKEN, BadRequest, check_bearer, token_value
 from spanrl.producers import edge
 
 log = logging.getLogger("spanrl.bridge.grpc")
@@ -94,7 +95,7 @@ def retry_trailers(code: grpc.StatusCode, message: str, retry_after_s: float) ->
 
 def authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:
     """The ``authorization`` value of a call's metadata (keys are lower case in gRPC), as
-    bytes for :func:`spanrl.producers.edge.check_bearer`; None without one."""
+    bytes for :func:`spanrl.core.edge.check_bearer`; None without one."""
     for key, value in metadata or ():
         if key == "authorization":
             return value if isinstance(value, bytes) else value.encode()
@@ -107,10 +108,10 @@ Export = Callable[[bytes], Awaitable[bytes]]
 def handler(export: Export, metrics: Counter, auth_token: SecretStr | str | None) -> grpc.GenericRpcHandler:
     """The ``TraceService`` handler: ``export(body)`` (the bridge's, from the raw
     ExportTraceServiceRequest bytes to the raw response; raises
-    :class:`~spanrl.producers.edge.BadRequest`) behind the bearer check. Counts
+    :class:`~spanrl.core.edge.BadRequest`) behind the bearer check. Counts
     ``grpc_requests``, and per refusal its reason and ``grpc_<CODE>`` (e.g.
     ``grpc_UNAUTHENTICATED``) in ``metrics``, the bridge's counters."""
-    token = edge.token_value(auth_token)
+    token = token_value(auth_token)
     token_bytes = token.encode() if token is not None else None
 
     async def refuse(context: aio.ServicerContext, status: int, reason: str, detail: str,
@@ -126,14 +127,14 @@ def handler(export: Export, metrics: Counter, auth_token: SecretStr | str | None
     async def export_call(body: bytes, context: aio.ServicerContext) -> bytes:
         metrics["grpc_requests"] += 1
         if token_bytes is not None:
-            reason = edge.check_bearer(authorization(context.invocation_metadata()), token_bytes)
+            reason = check_bearer(authorization(context.invocation_metadata()), token_bytes)
             if reason is not None:
                 await refuse(context, 401, reason, "this service needs metadata 'authorization: Bearer <token>' "
-                             "(SPANRL_AUTH_TOKEN)" if reason == edge.MISSING_TOKEN
+                             "(SPANRL_AUTH_TOKEN)" if reason == MISSING_TOKEN
                              else "the bearer token is not the one this service expects", None)
         try:
             return await export(body)
-        except edge.BadRequest as exc:
+        except BadRequest as exc:
             await refuse(context, exc.status, exc.reason, exc.detail, exc.headers)
         raise AssertionError("context.abort returned")  # it raises; never reached
 

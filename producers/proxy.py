@@ -22,7 +22,7 @@ use, so evaluation calls are logged like any other but never trained on; ``{samp
 An agent that no runner launched (in production) uses the plain base URL ``{proxy}/v1``:
 the rollout comes from the ``x-spanrl-rollout-id`` request header (minted when absent and
 returned in the same response header), the group from ``x-spanrl-task`` /
-``x-spanrl-group-size`` (producers/production.py).
+``x-spanrl-group-size`` (spanrl/core/production.py).
 
 Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/attempts/{attempt_id}``
 (their SDK adds ``/v1/messages``): the proxy serves them from vLLM's chat completions
@@ -58,11 +58,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.infra.settings import ProducerSettings, TopicSettings, check_environment
-from spanrl.producers import (claims, edge, ids, messages, production, response_ids, responses, seeding,
-                              streaming)
-from spanrl.producers import metrics as prom
-from spanrl.producers.edge import BadRequest
+from spanrl.core import claims, ids, production, response_ids
+from spanrl.core import metrics as prom
+from spanrl.core.edge import BadRequest
+from spanrl.core.settings import ProducerSettings, TopicSettings, check_environment
+from spanrl.producers import edge, messages, responses, seeding, streaming
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
 from spanrl.schemas import codec
@@ -346,7 +346,7 @@ class CallContext:
     #: the client's API when it is not vLLM's (served as this chat call, the span's
     #: ``spanrl.api``): ``responses.RESPONSES`` or :data:`MESSAGES`
     api: str | None = None
-    #: extra span attributes (a production call's rollout: producers/production.py)
+    #: extra span attributes (a production call's rollout: spanrl/core/production.py)
     attributes: dict | None = None
 
 
@@ -383,12 +383,12 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
     ``auth_token``: bearer token every route but ``GET /health`` requires (None: open).
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
-    (producers/claims.py); default: MinIO and bucket of the settings.
+    (spanrl/core/claims.py); default: MinIO and bucket of the settings.
     ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
     ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them."""
     metrics: Counter[str] = Counter()
     if payload_bucket is None:
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         payload_bucket = get_settings().payload_bucket
     claim_client = claim_client or claims.make_client()
@@ -462,7 +462,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         try:
-            ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (producers/ids.py)
+            ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
             body = client_body = parse_body(request.headers.get("content-type"), await request.body())
             if api == responses.RESPONSES:
@@ -512,7 +512,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             metrics[f"vllm_http_{upstream.status_code}"] += 1
             return Response(upstream.content, upstream.status_code, media_type="application/json")
         response = upstream.json()
-        if isinstance(response, dict):  # the id names the attempt (producers/response_ids.py)
+        if isinstance(response, dict):  # the id names the attempt (spanrl/core/response_ids.py)
             response["id"] = response_ids.mint(str(response.get("id") or ""), ctx.rollout_id, ctx.attempt_id)
         try:
             await record(ctx, response)
@@ -635,7 +635,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
 
         minted: dict[str, str] = {}  # vLLM's id -> ours: one id per stream, minted once, not per chunk
 
-        def named(chunk: dict) -> dict:  # every chunk's id names the attempt (producers/response_ids.py)
+        def named(chunk: dict) -> dict:  # every chunk's id names the attempt (spanrl/core/response_ids.py)
             if "id" in chunk:
                 upstream_id = str(chunk["id"] or "")
                 if upstream_id not in minted:
@@ -702,7 +702,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return error(503, "vllm_unavailable", repr(exc), {"Retry-After": RETRY_AFTER_S})
         return Response(upstream.content, upstream.status_code, media_type="application/json")
 
-    # ---- production agents: the plain base URL {proxy}/v1, rollout from headers (producers/production.py)
+    # ---- production agents: the plain base URL {proxy}/v1, rollout from headers (spanrl/core/production.py)
     async def production_call(endpoint: str, path: str, request: Request, api: str | None = None) -> Response:
         try:
             rollout = production.production_rollout(request.headers)
@@ -857,7 +857,7 @@ def tool_attributes(body: dict, response: dict, choice: int = 0) -> dict[str, st
 
 
 def main(argv: list[str] | None = None) -> None:
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     check_environment()
     s = get_settings()

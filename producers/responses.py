@@ -30,7 +30,7 @@ Everything else either maps to chat (see :data:`TRANSLATED`), is harmless to lea
 """
 from __future__ import annotations
 
-from spanrl.producers.edge import BadRequest
+from spanrl.core.edge import BadRequest
 
 RESPONSES = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from spanrl.core.edge import token_value
 from spanrl.producers import instrument, seeding
-from spanrl.producers.edge import token_value
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.schemas import codec
 
@@ -80,7 +80,7 @@ async def publish_tasks(tasks: list[dict], bootstrap: str | None = None, topics:
     ``bootstrap`` defaults to ``settings.kafka_bootstrap`` (``settings``: infra Settings,
     default ``get_settings()``)."""
     if bootstrap is None:
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         bootstrap = (settings or get_settings()).kafka_bootstrap
     sink = Sink(bootstrap, topics)
@@ -131,7 +131,7 @@ class Runner:
         ``settle_s`` grace for them (stream_jobs/assembly.py). ``seed``: the run seed (default
         ``SPANRL_SEED``; None: unseeded); each attempt's LLM requests then carry sampling seeds
         derived from it, the task, the rollout's index and the attempt (producers/seeding.py)."""
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         s = settings or get_settings()
         self.record_to = record_to

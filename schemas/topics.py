@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spanrl.infra.settings import TopicSettings
+from spanrl.core.settings import TopicSettings
 
 DAY_MS = 24 * 3600 * 1000
 

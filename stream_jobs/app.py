@@ -27,19 +27,19 @@ from typing import Any
 
 import faust
 
-from spanrl.infra.settings import Settings, StreamSettings, check_environment, get_settings
-from spanrl.producers import claims
-from spanrl.producers import metrics as prom
+from spanrl.core import claims
+from spanrl.core import metrics as prom
+from spanrl.core import dead_letters as dl
+from spanrl.core.settings import Settings, StreamSettings, check_environment, get_settings
 from spanrl.schemas import codec, topics
 from spanrl.stream_jobs import assembly, faust_patches, grouping, joining
-from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs import metrics as worker_metrics
+from spanrl.stream_jobs.air import parse_air_rules
 from spanrl.stream_jobs.clock import TimeoutClock
+from spanrl.stream_jobs.credit import parse_credit_rule
+from spanrl.stream_jobs.spans_reader import SpansReader
 from spanrl.stream_jobs.ticking import TickIndex
 from spanrl.stream_jobs.waitlist import InputsWaitlist
-from spanrl.stream_jobs.air import parse_air_rules
-from spanrl.stream_jobs.spans_reader import SpansReader
-from spanrl.stream_jobs.credit import parse_credit_rule
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _HOST = Settings.default("host")
 @dataclass(frozen=True)
 class StreamConfig:
     """Everything the app reads from the environment: the stream job's section of the
-    settings (:class:`spanrl.infra.settings.StreamSettings`, README's settings table, which
+    settings (:class:`spanrl.core.settings.StreamSettings`, README's settings table, which
     also gives each default) and the stack-wide addresses."""
 
     app_id: str = _S("stream_app_id")
@@ -412,7 +412,7 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
             counters["samples_out"] += 1
 
     async def claimed(record: dict, msg) -> dict | None:
-        """The span behind a claim record (``payload_ref``, producers/claims.py), or None
+        """The span behind a claim record (``payload_ref``, spanrl/core/claims.py), or None
         after dead-lettering ``claim_unresolved``."""
         try:
             data = await claims.resolve_claim(claim_client, record["payload_ref"], cfg.payload_bucket,

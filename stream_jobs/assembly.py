@@ -44,7 +44,7 @@ any order. An attempt ends, exactly once, in one of:
   id no runner announced: a typo, or an evaluator scoring another run's rollout).
 
 A *production* attempt (an agent no runner launched: its calls reach the proxy's plain
-``/v1`` routes, producers/production.py) begins at its first call, whose span gives its task
+``/v1`` routes, spanrl/core/production.py) begins at its first call, whose span gives its task
 and group size (:func:`production_begin`), and, having no runner to send a terminal event,
 ends at its first final reward, at an explicit end (a lifecycle event from the bridge) or
 ``production_idle_s`` after its last input (:func:`production_end`); from there on it is
@@ -106,10 +106,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from spanrl.infra.settings import StreamSettings
-from spanrl.producers import production, response_ids
+from spanrl.core import production, response_ids
+from spanrl.core import dead_letters as dl
+from spanrl.core.settings import StreamSettings
 from spanrl.stream_jobs import air
-from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import CreditRule, InvalidReward, episode_return, parse_credit_rule
 from spanrl.stream_jobs.ticking import TickIndex
 
@@ -509,7 +509,7 @@ def awaiting_inputs(state: dict) -> dict[str, int] | None:
 
 
 def production_begin(a: dict, span: dict) -> bool:
-    """Begin a production rollout (an agent no runner launched, producers/production.py) at a
+    """Begin a production rollout (an agent no runner launched, spanrl/core/production.py) at a
     call whose span the proxy marked ``spanrl.origin=production``: the attempt takes the span's
     task label and group size (unless a lifecycle event gave them) and is marked
     ``production``, so that :func:`production_end` may end it. Returns whether the span was such

@@ -53,9 +53,9 @@ import math
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from spanrl.infra.settings import StreamSettings
+from spanrl.core import dead_letters as dl
+from spanrl.core.settings import StreamSettings
 from spanrl.schemas import codec
-from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.credit import grpo_advantages, group_stats
 from spanrl.stream_jobs.ticking import TickIndex
 

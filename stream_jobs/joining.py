@@ -63,10 +63,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from spanrl.infra.settings import StreamSettings
-from spanrl.producers import response_ids
+from spanrl.core import response_ids
+from spanrl.core import dead_letters as dl
+from spanrl.core.settings import StreamSettings
 from spanrl.schemas import codec
-from spanrl.stream_jobs import dead_letters as dl
 
 #: attribute of a joined span: its rollout came from the trace join, not from the agent
 JOINED_BY = "spanrl.joined_by"
@@ -146,7 +146,8 @@ def joined_span(span: dict, rollout_id: str, attempt_id: str, response_id: str |
     attributes) but ``llm`` (context, never a call: module doc), plus attribute
     :data:`JOINED_BY` = ``"trace"``, or ``"response_id"`` for a span that named its attempt
     through a minted response id ``response_id`` (kept in ``response_ids.JOINED_RESPONSE_ID``: the
-    assembler links the call of that id to this span, producers/response_ids.py). A claim record (``payload_ref``) becomes a plain
+    assembler links the call of that id to this span, spanrl/core/response_ids.py). A claim record
+    (``payload_ref``) becomes a plain
     small span with the reference in attribute :data:`ORPHAN_PAYLOAD_REF`: its identity
     fields, all a link needs, are in the small record, and the full record in MinIO stays
     the orphan's (its rollout id is empty, so it is not the joined span's claim)."""

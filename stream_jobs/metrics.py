@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from spanrl.producers import metrics as prom
+from spanrl.core import metrics as prom
 
 #: worker counter key -> help text (keys as stream_jobs/app.py counts them)
 WORKER_COUNTERS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spanrl.infra.settings import get_settings
+from spanrl.core.settings import get_settings
 
 
 @pytest.fixture(scope="session")

@@ -341,7 +341,7 @@ def prune_store(client, bucket: str, run: str, keep: int) -> list[int]:
 
 
 def make_client(settings):
-    """A minio client for ``settings`` (spanrl.infra.settings.Settings)."""
+    """A minio client for ``settings`` (spanrl.core.settings.Settings)."""
     from minio import Minio
 
     return Minio(settings.minio_endpoint, access_key=settings.minio_access_key,

@@ -10,13 +10,28 @@ Ties and noise-sized differences are served: on a few dozen tasks a point-estima
 would refuse many checkpoints that are as good as the incumbent and stall training's
 progress reaching the agents; the gate is there to stop regressions.
 
-The plumbing is in ``trainer/reloader.py`` (``SPANRL_RELOADER_GATE*`` settings).
+The plumbing is in ``trainer/reloader.py`` (``SPANRL_RELOADER_GATE*`` settings). What runs
+the held-out episodes is a :data:`GateEvaluation` the reloader is given or resolves from
+``SPANRL_RELOADER_GATE_EVALUATION`` (by default the control plane's evaluator,
+``spanrl.infra.evaluation.gate_rewards``, which loads the agent and the task set through
+the examples' registry, examples/agents.py): the trainer imports neither.
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from spanrl.infra import intervals
+from spanrl.core import intervals
+
+if TYPE_CHECKING:
+    from spanrl.core.settings import ReloaderConfig, Settings
+
+#: ``await evaluation(cfg, settings, name)`` -> per-task mean reward (task id -> reward) of the
+#: policy vLLM serves now, on tasks ``[cfg.gate_offset, cfg.gate_offset + cfg.gate_tasks)`` of
+#: ``cfg.gate_task_set`` (seed ``cfg.gate_seed``), agent ``cfg.gate_agent``, greedy, at most
+#: ``cfg.gate_concurrency`` at once; ``name`` labels its records
+GateEvaluation = Callable[["ReloaderConfig", "Settings", str], Awaitable[dict[str, float]]]
 
 ACCEPT = "not_worse"
 REFUSE = "worse_beyond_tolerance"
@@ -26,7 +41,7 @@ REFUSE = "worse_beyond_tolerance"
 class GateDecision:
     """``accept``: serve the candidate; ``reason``: ``not_worse`` | ``worse_beyond_tolerance``;
     ``difference``: mean (candidate - incumbent) reward per task with its 95% interval
-    (``spanrl.infra.intervals.Interval.as_dict()``); means of both over the shared tasks."""
+    (``spanrl.core.intervals.Interval.as_dict()``); means of both over the shared tasks."""
 
     accept: bool
     reason: str

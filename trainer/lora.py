@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spanrl.infra.settings import TrainerConfig
+from spanrl.core.settings import TrainerConfig
 from spanrl.trainer import checkpoint
 
 if TYPE_CHECKING:  # torch, peft and safetensors are imported where used: manifests need none of them

@@ -61,9 +61,12 @@ import time
 from pathlib import Path
 
 import httpx
-from spanrl.infra.settings import ReloaderConfig, check_environment, get_settings
+from spanrl.core import plugins
+from spanrl.core.partitions import topic_partitions
+from spanrl.core.settings import ReloaderConfig, check_environment, get_settings
 from spanrl.trainer import checkpoint, lora, tracking
-from spanrl.trainer.train import _partitions, base_model_id, read_announcements, start_http
+from spanrl.trainer.gate import GateEvaluation
+from spanrl.trainer.train import base_model_id, read_announcements, start_http
 
 log = logging.getLogger("spanrl.reloader")
 
@@ -91,8 +94,11 @@ def vllm_watch_action(up: bool, synced: bool, now: float, next_apply_at: float) 
 
 
 class Reloader:
-    def __init__(self, cfg: ReloaderConfig, settings=None):
+    def __init__(self, cfg: ReloaderConfig, settings=None, gate_evaluation: GateEvaluation | None = None):
+        """``gate_evaluation``: the release gate's evaluation; None: the one
+        ``cfg.gate_evaluation`` names, resolved when the gate first runs."""
         self.cfg = cfg
+        self.gate_evaluation = gate_evaluation
         self.settings = settings or get_settings()
         self.run = cfg.run or self.settings.run
         self.vllm_url = (cfg.vllm_url or self.settings.vllm_url).rstrip("/")
@@ -219,21 +225,13 @@ class Reloader:
         return await self.load(version, dest, uri, entry)
 
     # release gate ---------------------------------------------------------------------
-    def _gate_tasks(self) -> list[dict]:
-        from examples.math_agent.tasks import load_task_set
-
-        tasks = load_task_set(self.cfg.gate_task_set, self.cfg.gate_seed, self.cfg.gate_offset + self.cfg.gate_tasks)
-        return tasks[self.cfg.gate_offset:]
-
     async def _gate_rewards(self, label: str) -> dict[str, float]:
-        """Per-task reward of what vLLM serves now on the gate's tasks (greedy, through the
-        proxy's evaluation routes: recorded on the evaluation topics)."""
-        from spanrl.infra.evaluation import EvalConfig, per_task_means, run_policy_episodes
-
-        cfg = EvalConfig(agent=self.cfg.gate_agent, temperature=0.0, concurrency=self.cfg.gate_concurrency,
-                         name=f"gate-{self.run}-{label}")
-        episodes = await run_policy_episodes(cfg, self.settings, self._gate_tasks())
-        return per_task_means(episodes, lambda e: e.reward)
+        """Per-task reward of what vLLM serves now on the gate's tasks: the gate's evaluation
+        (``gate_evaluation``, trainer/gate.py ``GateEvaluation``; by default the control
+        plane's evaluator runs the agent greedily through the proxy's evaluation routes,
+        recorded on the evaluation topics)."""
+        evaluate = self.gate_evaluation or plugins.resolve(self.cfg.gate_evaluation)
+        return await evaluate(self.cfg, self.settings, f"gate-{self.run}-{label}")
 
     async def gated_load(self, ann: dict, dest: Path, entry: dict) -> bool:
         """Serve verified checkpoint ``ann`` only if the release gate accepts it
@@ -503,7 +501,7 @@ class Reloader:
         await consumer.start()
         watch: asyncio.Task | None = None
         try:
-            parts = await _partitions(consumer, self.cfg.checkpoints_topic, wait_s=60)
+            parts = await topic_partitions(consumer, self.cfg.checkpoints_topic, wait_s=60)
             if not parts:
                 raise RuntimeError(f"topic {self.cfg.checkpoints_topic!r} does not exist")
             tps = [TopicPartition(self.cfg.checkpoints_topic, p) for p in parts]
@@ -615,7 +613,7 @@ async def vllm_healthy(vllm_url: str, timeout_s: float = 5.0) -> bool:
 async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
     """``POST {proxy}/admin/policy_unsynced {"reason"}``: the proxy answers 503
     policy_unsynced until a version is posted again (unreachable proxy = warning)."""
-    from spanrl.producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+    from spanrl.core.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
 
     try:
         async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
@@ -627,7 +625,7 @@ async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
 
 
 async def notify_proxy(proxy_url: str, version: int, uri: str) -> None:
-    from spanrl.producers.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+    from spanrl.core.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
 
     try:
         async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:

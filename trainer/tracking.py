@@ -2,7 +2,7 @@
 reloader's Prometheus families.
 
 Tracking: ``SPANRL_TRACKER`` = ``tensorboard`` (default) | ``mlflow`` | ``wandb`` | ``none``
-(infra/settings.py); logs go under ``settings.tracker_root / RUN / <who>`` (default
+(spanrl/core/settings.py); logs go under ``settings.tracker_root / RUN / <who>`` (default
 ``.spanrl/tensorboard/RUN/trainer``; ``tensorboard --logdir .spanrl/tensorboard``). One
 small interface, :class:`Tracker` (``log(scalars, step)``, ``close()``), one thin adapter per
 library; nothing leaves the machine (MLflow: a ``file:`` store; W&B: ``mode="offline"``).
@@ -11,7 +11,7 @@ The scalars of one update come from :func:`update_scalars` (pure): the update's 
 (trainer/train.py ``train_update``), the samples it trained on and the version trained.
 
 Prometheus: :func:`trainer_families` and :func:`reloader_families` turn the services' own
-``/status`` state into families at scrape time (spanrl.producers.metrics), nothing counted
+``/status`` state into families at scrape time (spanrl.core.metrics), nothing counted
 twice.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from spanrl.producers import metrics as prom
+from spanrl.core import metrics as prom
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "none")
 

@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from spanrl.infra import settings as env
-from spanrl.infra.settings import TrainerConfig, check_environment, get_settings
+from spanrl.core import settings as env
+from spanrl.core.partitions import topic_partitions
+from spanrl.core.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
 from spanrl.trainer.self_imitation import SelfImitationBuffer, positive_entries
 
@@ -52,7 +53,7 @@ _MODEL_FILES = {"config.json", "model.safetensors", "model.safetensors.index.jso
 #: completion positions whose log-probs are computed at once (losses.chunked_token_logprobs):
 #: ~3 x 256 x 49,152 float32 = 150 MB of logits at a time for SmolLM2; 0: the full logits of a
 #: micro-batch's completion window (losses.token_logprobs), the path before issue 20. The
-#: trainer's setting ``SPANRL_TRAINER_LOGPROB_CHUNK`` (declared in infra/settings.py)
+#: trainer's setting ``SPANRL_TRAINER_LOGPROB_CHUNK`` (declared in spanrl/core/settings.py)
 LOGPROB_CHUNK = TrainerConfig.default("logprob_chunk")
 #: elements per ZeRO gradient-reduction / all-gather bucket: DeepSpeed's default 5e8 is 2 GB of
 #: float32 staged per backward (~0.5 GB of it touched for a 135M model); this is 80 MB
@@ -552,9 +553,9 @@ def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> 
 
 def base_model_id(base_dir: Path) -> str:
     """The base model's id: the manifest's ``base_model`` for a checkpoint, else what the
-    conversion wrote beside the weights (``spanrl_base.json``, infra/model.py), else the
+    conversion wrote beside the weights (``spanrl_base.json``, spanrl/core/model.py), else the
     directory's name (a model directory spanrl did not convert)."""
-    from spanrl.infra.model import BASE_FILE
+    from spanrl.core.model import BASE_FILE
 
     for name in (checkpoint.MANIFEST, BASE_FILE):
         m = Path(base_dir) / name
@@ -616,7 +617,7 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
     await consumer.start()
     out = []
     try:
-        parts = await _partitions(consumer, topic)
+        parts = await topic_partitions(consumer, topic)
         if not parts:
             return []
         tps = [TopicPartition(topic, p) for p in parts]
@@ -634,18 +635,6 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
     finally:
         await consumer.stop()
     return out
-
-
-async def _partitions(consumer, topic: str, wait_s: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + wait_s
-    while True:
-        parts = consumer.partitions_for_topic(topic)
-        if parts:
-            return sorted(parts)
-        if time.monotonic() > deadline:
-            return []
-        await consumer._client.force_metadata_update()  # aiokafka has no public refresh
-        await asyncio.sleep(0.2)
 
 
 BATCHING_MODES = ("stream", "barrier")
@@ -882,7 +871,7 @@ class Trainer:
                                     auto_offset_reset="earliest")
         try:
             await consumer.start()
-            parts = await _partitions(consumer, self.cfg.samples_topic, wait_s=60)
+            parts = await topic_partitions(consumer, self.cfg.samples_topic, wait_s=60)
             if not parts:
                 raise RuntimeError(f"topic {self.cfg.samples_topic!r} does not exist")
             tps = {p: TopicPartition(self.cfg.samples_topic, p) for p in parts}
@@ -1153,7 +1142,7 @@ class Trainer:
     async def _dead_letter_stale(self, partition: int, offset: int, sample: dict, lag: int) -> None:
         """The ``stale_sample`` dead letter of a refused sample, sent (:meth:`_send_dead_letter`,
         retried until Kafka acked it), then counted in ``/status`` and the update's figures."""
-        from spanrl.stream_jobs import dead_letters as dl
+        from spanrl.core import dead_letters as dl
 
         t = sample["transition"]
         record = dl.dead_letter(
@@ -1200,7 +1189,7 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
                      post_routes: dict | None = None, metrics_fn=None):
     """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn(),
     GET /metrics -> the Prometheus families ``metrics_fn()`` returns, in the text format
-    (spanrl.producers.metrics),
+    (spanrl.core.metrics),
     GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route, and
     POST PATH -> ``await post_routes[PATH](body)`` -> ``(http status, JSON-able dict)`` with
     the request's JSON object as ``body`` (a body that is not a JSON object: 400 invalid_json)."""
@@ -1231,7 +1220,7 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
         return h
 
     async def metrics(_):
-        from spanrl.producers import metrics as prom
+        from spanrl.core import metrics as prom
 
         body = prom.exposition(prom.registry(metrics_fn))
         return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})

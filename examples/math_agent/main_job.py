@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.infra.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
+from spanrl.core.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking

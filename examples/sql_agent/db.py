@@ -10,7 +10,7 @@ Two databases, both built offline from installed packages, deterministically:
   pycountry (currency and language names).
 
 ``database_path(name)`` builds a database once into ``<cache>/data/sql/`` (``cache``:
-``spanrl.infra.settings`` ``cache_dir``, ``~/.cache/spanrl``) and returns the file. Each rollout
+``spanrl.core.settings`` ``cache_dir``, ``~/.cache/spanrl``) and returns the file. Each rollout
 copies it (:func:`rollout_copy`) and runs queries with :func:`run_query`: read-only
 connection (``mode=ro`` URI), an authorizer that allows reading only (no ATTACH, PRAGMA
 or writes), a wall-clock limit (progress handler) and a row cap.
@@ -224,7 +224,7 @@ def build(name: str, path: Path) -> Path:
 
 
 def data_dir() -> Path:
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     return get_settings().cache_dir / "data" / "sql"
 

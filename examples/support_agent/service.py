@@ -7,7 +7,7 @@
 (exported to spanrl's bridge); the proxy's ``x-spanrl-rollout-id`` answer header is the
 session's rollout, sent back on the session's next questions. ``POST /feedback {"session",
 "rating"}`` (the user's thumbs up/down, minutes later) becomes the session's reward:
-``emit_reward(R, rollout_id=...)``, which also ends the rollout (producers/production.py).
+``emit_reward(R, rollout_id=...)``, which also ends the rollout (spanrl/core/production.py).
 Questions of one ``task`` label form GRPO groups of ``group_size``; with no label each
 session is a group of one (the trainer's batch baseline). No runner, no tasks topic.
 """
@@ -23,7 +23,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from pydantic import BaseModel, Field
 
 from examples.support_agent.feedback import messages_for, reward_of
-from spanrl.producers import instrument, production
+from spanrl.core import production
+from spanrl.producers import instrument
 
 AGENT = "support"
 
@@ -85,7 +86,7 @@ def create_app(proxy_url: str, model: str, provider: TracerProvider, task: str |
 
 
 def main(argv: list[str] | None = None) -> None:
-    from spanrl.infra.settings import get_settings
+    from spanrl.core.settings import get_settings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=8095)

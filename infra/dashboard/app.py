@@ -35,10 +35,10 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.templating import Jinja2Templates
 
+from spanrl.core.edge import bearer_headers, token_value
+from spanrl.core.settings import (DashboardSettings, Settings, StreamSettings, TopicSettings, check_environment,
+                                  get_settings)
 from spanrl.infra.dashboard import charts, views
-from spanrl.infra.settings import (DashboardSettings, Settings, StreamSettings, TopicSettings, check_environment,
-                                   get_settings)
-from spanrl.producers.edge import bearer_headers, token_value
 from spanrl.schemas import codec
 from spanrl.schemas import topics as T
 

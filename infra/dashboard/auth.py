@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from spanrl.producers.edge import OPEN_ROUTES, check_bearer
+from spanrl.core.edge import OPEN_ROUTES, check_bearer
 
 COOKIE = "spanrl_dashboard"
 _LABEL = b"spanrl-dashboard-session-v1"

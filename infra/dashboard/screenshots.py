@@ -79,8 +79,8 @@ def capture(url: str, out_dir: Path, token: str | None = None) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from spanrl.infra.settings import get_settings
-    from spanrl.producers.edge import token_value
+    from spanrl.core.edge import token_value
+    from spanrl.core.settings import get_settings
 
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

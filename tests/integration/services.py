@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from spanrl.infra.settings import get_settings
+from spanrl.core.settings import get_settings
 from spanrl.producers.kafka import Topics, create_topics, delete_topics
 from spanrl.schemas import codec
 

@@ -40,8 +40,8 @@ AGENT = r'''
 import json, sys
 from openai import OpenAI
 import spanrl
-from spanrl.infra.settings import get_settings
-from spanrl.producers.edge import token_value
+from spanrl.core.settings import get_settings
+from spanrl.core.edge import token_value
 from spanrl.producers.instrument import emit_reward, flush, instrument, rollout_context
 
 proxy_url, bridge_url, model, rollout_id, attempt_id = sys.argv[1:]
@@ -129,7 +129,7 @@ def test_wheel_has_only_the_spanrl_import_name(tmp_path):
         metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert {n.split("/")[0] for n in names} == {"spanrl", "spanrl-0.1.0.dist-info"}
     assert {"spanrl/producers/instrument.py", "spanrl/schemas/avro/span.v1.avsc",
-            "spanrl/infra/settings.py", "spanrl/stream_jobs/app.py", "spanrl/trainer/train.py"} <= set(names)
+            "spanrl/core/settings.py", "spanrl/stream_jobs/app.py", "spanrl/trainer/train.py"} <= set(names)
     requires = [line.split(" ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
     base = sorted(r for r in requires if "extra ==" not in r)
     assert base == ["aiokafka[zstd]>=0.14.0", "fastavro>=1.13", "opentelemetry-api>=1.27",

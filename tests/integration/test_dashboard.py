@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
+from spanrl.core.edge import bearer_headers, token_value
 from spanrl.infra.stack import Stack
-from spanrl.producers.edge import bearer_headers, token_value
 from spanrl.producers.runner import Runner, make_task
 
 pytestmark = pytest.mark.integration

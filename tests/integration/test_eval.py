@@ -27,9 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from spanrl.core.settings import get_settings
 from spanrl.infra import evaluation as E
 from spanrl.infra.replay import topics_end_offsets
-from spanrl.infra.settings import get_settings
 from spanrl.producers.kafka import Topics
 from spanrl.schemas import topics as T
 from spanrl.schemas.codec import encode

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spanrl.producers.edge import bearer_headers
+from spanrl.core.edge import bearer_headers
 
 from tests.unit.test_monitoring import dashboard_metric_names
 

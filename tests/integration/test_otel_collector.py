@@ -28,8 +28,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from spanrl.core.edge import bearer_headers
 from spanrl.infra.stack import Stack
-from spanrl.producers.edge import bearer_headers
 from tests.integration.services import S, free_port, of_rollout, own_topics, read_topic, start_service, stop
 from tests.integration.services import topic_prefix as _prefix
 from tests.integration.test_otlp_grpc import run_agent

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from spanrl.core.edge import bearer_headers, token_value
 from spanrl.infra.stack import Stack
-from spanrl.producers.edge import bearer_headers, token_value
 from spanrl.producers.kafka import Topics
 from spanrl.schemas import codec
 from tests.integration.services import S, free_port, of_rollout, own_topics, read_topic, start_service, stop

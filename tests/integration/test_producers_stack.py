@@ -295,7 +295,7 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
 def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path, monkeypatch):
     """The runner hands the agent the token as ``ctx.api_key``; the call is recorded; the
     reloader's policy-version update carries the token too."""
-    from spanrl.infra.settings import Settings
+    from spanrl.core.settings import Settings
     from spanrl.trainer import reloader
 
     token = "itest-" + secrets.token_urlsafe(24)

@@ -1,4 +1,4 @@
-"""The stream app end to end against the real Kafka and MinIO (spanrl.infra.settings).
+"""The stream app end to end against the real Kafka and MinIO (spanrl.core.settings).
 
 Runs ``python -m spanrl.stream_jobs.app worker`` as a subprocess on private topics
 (``sjtest-<uuid>-*``) and a private app id:
@@ -46,12 +46,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 
+from spanrl.core import claims
 from spanrl.infra.stack import Stack, stop_process_group
-from spanrl.producers import claims
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from spanrl.infra.settings import get_settings
+from spanrl.core.settings import get_settings
 from spanrl.schemas import codec, topics
 
 pytestmark = pytest.mark.integration
@@ -683,7 +683,7 @@ def test_framework_spans_without_traceparent_join_by_the_minted_response_id(tmp_
     """The agent above: its HTTP request carries no traceparent, so the proxy's record of the
     call has no parent and no trace link is written; the framework's LLM span carries the
     answer's id (OpenInference's output.value), which names the attempt
-    (producers/response_ids.py): it joins by that id, the agent span joins through the trace,
+    (spanrl/core/response_ids.py): it joins by that id, the agent span joins through the trace,
     and the call's one transition takes its agent from them."""
     kafka_minio.start("vllm")
     with _private_pipeline(tmp_path, SPANRL_ORPHAN_TIMEOUT_S="30") as p:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spanrl.infra.settings import get_settings
+from spanrl.core.settings import get_settings
 from spanrl.infra.stack import ROOT, Stack
 from spanrl.schemas.codec import encode
 from spanrl.trainer import checkpoint, lora

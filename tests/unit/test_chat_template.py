@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from spanrl.infra.settings import Settings
+from spanrl.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = (ROOT / Settings().vllm_chat_template).read_text()

@@ -7,9 +7,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from spanrl.core.settings import Settings
 from spanrl.infra.dashboard import auth, views
 from spanrl.infra.dashboard.app import create_app, safe_attributes
-from spanrl.infra.settings import Settings
 
 
 def _span(rid, seq, kind="llm", attempt="0", start_s=0.0, end_s=1.0, version=3, agent=None):

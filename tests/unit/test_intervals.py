@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from spanrl.infra import intervals
+from spanrl.core import intervals
 
 
 def test_wilson_hand_computed():

@@ -37,7 +37,7 @@ def _adapter_parameters() -> int:
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
     """The tiny base model saved as a base model directory (no manifest), with a tokenizer-like
-    side file and the record infra/model.py writes beside a converted base."""
+    side file and the record spanrl/core/model.py writes beside a converted base."""
     d = tmp_path_factory.mktemp("base")
     tiny_qwen2(VOCAB, HIDDEN, 0).save_pretrained(str(d), safe_serialization=True)
     (d / "tokenizer.json").write_text('{"tiny": true}')

@@ -1,4 +1,4 @@
-"""The base policy is one setting (SPANRL_MODEL): infra/model.py's registry, the GGUF
+"""The base policy is one setting (SPANRL_MODEL): spanrl/core/model.py's registry, the GGUF
 assembly and its hash check, and what the settings derive from the choice."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from spanrl.infra import model as M
-from spanrl.infra.settings import Settings
+from spanrl.core import model as M
+from spanrl.core.settings import Settings
 from spanrl.infra.stack import vllm_args
 from spanrl.trainer.train import base_model_id
 
@@ -104,7 +104,7 @@ def test_base_model_id_comes_from_the_manifest_then_the_conversion_then_the_dire
 
 def test_the_requirements_line_is_what_the_image_installs(capsys, monkeypatch):
     monkeypatch.setenv("SPANRL_MODEL", "qwen2.5-coder-0.5b")
-    from spanrl.infra import settings
+    from spanrl.core import settings
 
     settings.get_settings.cache_clear()
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from spanrl.infra.settings import Settings
+from spanrl.core.settings import Settings
 
 MONITORING = Path(__file__).resolve().parents[2] / "infra" / "monitoring"
 JOB_PORT = {"spanrl-proxy": "proxy_port", "spanrl-bridge": "bridge_port", "spanrl-worker": "faust_web_port",

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from examples.math_agent import agent as math_agent
-from spanrl.infra.settings import Settings
+from spanrl.core.edge import INVALID_TOKEN, MISSING_TOKEN, bearer_headers, check_bearer
+from spanrl.core.settings import Settings
 from spanrl.producers import bridge, instrument, proxy
-from spanrl.producers.edge import INVALID_TOKEN, MISSING_TOKEN, bearer_headers, check_bearer
 from spanrl.producers.kafka import Sink, Topics
 from spanrl.producers.runner import RolloutContext, Runner
 

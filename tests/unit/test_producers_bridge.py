@@ -65,7 +65,7 @@ def test_bad_input_answers_and_counters(client):
          400, "invalid_reward"),
         (rewards, {"content": b'{"rollout_id": "r", "value": 1.0, "components": {"c": -Infinity}}',
                    "headers": {"content-type": "application/json"}}, 400, "invalid_reward"),
-        # JSON "\ud800" is a lone surrogate: not a rollout id (producers/ids.py; the 400 must not echo it raw)
+        # JSON "\ud800" is a lone surrogate: not a rollout id (spanrl/core/ids.py; the 400 must not echo it raw)
         (rewards, {"content": b'{"rollout_id": "\\ud800", "value": 1.0}', "headers": {"content-type": "application/json"}},
          400, "invalid_id"),
         (rewards, {"content": b'{"rollout_id": "r", "value": 1.0', "headers": {"content-type": "application/json"}},

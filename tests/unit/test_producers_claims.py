@@ -1,9 +1,9 @@
-"""Claim-check pure parts (producers/claims.py): keys, references, small records, checks."""
+"""Claim-check pure parts (spanrl/core/claims.py): keys, references, small records, checks."""
 import asyncio
 
 import pytest
 
-from spanrl.producers import claims
+from spanrl.core import claims
 from spanrl.schemas import codec
 from spanrl.schemas.topics import Topic
 

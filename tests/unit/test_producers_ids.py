@@ -1,4 +1,4 @@
-"""Bounds on rollout, attempt and task ids (producers/ids.py, issue 23 item 5): every id the
+"""Bounds on rollout, attempt and task ids (spanrl/core/ids.py, issue 23 item 5): every id the
 project and its examples generate passes; the rule and its messages; property tests over the
 validator and over each entry point's parsing (proxy path and headers, bridge spans, rewards
 and rollout ends), in-process, Kafka and vLLM unreachable (every case here is answered before
@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from spanrl.producers import bridge, ids, otlp, production, proxy
-from spanrl.producers.edge import BadRequest
+from spanrl.core import ids, production
+from spanrl.core.edge import BadRequest
+from spanrl.producers import bridge, otlp, proxy
 from spanrl.producers.kafka import Sink, Topics
 from tests.unit.test_producers_bridge import RecordingSink  # Kafka that acks at once
 
@@ -30,9 +31,9 @@ near_ids = st.text(ID_ALPHABET, min_size=0, max_size=140) | st.text("ab-", min_s
 
 
 def test_every_id_the_project_generates_passes():
-    from spanrl.examples.math_agent import tasks as math_tasks
-    from spanrl.examples.rag_agent import tasks as rag_tasks
-    from spanrl.examples.sql_agent import tasks as sql_tasks
+    from examples.math_agent import tasks as math_tasks
+    from examples.rag_agent import tasks as rag_tasks
+    from examples.sql_agent import tasks as sql_tasks
     from spanrl.producers.runner import make_task
 
     rollouts = [uuid.uuid4().hex, production.mint_rollout_id(), "chat-42", f"js-{uuid.uuid4().hex[:12]}"]

@@ -1,12 +1,12 @@
-"""spanrl.producers.response_ids: minted response ids name their attempt (issue 23 item 4)."""
+"""spanrl.core.response_ids: minted response ids name their attempt (issue 23 item 4)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from spanrl.producers import response_ids as R
-from spanrl.producers.edge import BadRequest
+from spanrl.core import response_ids as R
+from spanrl.core.edge import BadRequest
 
 
 def test_mint_and_read_back_through_every_api_prefix():

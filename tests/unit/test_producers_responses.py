@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from openai.types.responses import Response
 
+from spanrl.core.edge import BadRequest
 from spanrl.producers import responses as R
-from spanrl.producers.edge import BadRequest
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 WEATHER_PARAMS = {"properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"],

@@ -4,8 +4,8 @@ begin/end, the trainer's advantage for a group of one."""
 import pytest
 import torch
 
-from spanrl.producers import production
-from spanrl.producers.edge import BadRequest
+from spanrl.core import production
+from spanrl.core.edge import BadRequest
 from spanrl.schemas import codec
 from spanrl.stream_jobs import assembly, grouping
 from spanrl.trainer import losses

@@ -1,13 +1,13 @@
 """Run seeds (producers/seeding.py, the request hook, the proxy's use of the header), the
-study's intervals and report (infra/intervals.py, infra/study.py) and the main job's per-kind
+study's intervals and report (spanrl/core/intervals.py, infra/study.py) and the main job's per-kind
 breakdown, on hand-computed values."""
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from spanrl.core.intervals import pooled_paired_difference, t_interval
 from spanrl.infra import study
-from spanrl.infra.intervals import pooled_paired_difference, t_interval
 from spanrl.producers import instrument, seeding
 
 

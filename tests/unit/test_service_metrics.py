@@ -1,4 +1,4 @@
-"""Prometheus families of the services' own counters (spanrl.producers.metrics,
+"""Prometheus families of the services' own counters (spanrl.core.metrics,
 spanrl.stream_jobs.metrics, spanrl.trainer.tracking), read back with prometheus_client's parser."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spanrl.producers import metrics as prom
+from spanrl.core import metrics as prom
 from spanrl.stream_jobs.metrics import RewardToTransition, worker_families
 from spanrl.trainer.tracking import reloader_families, trainer_families
 

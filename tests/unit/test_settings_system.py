@@ -1,4 +1,4 @@
-"""The one settings system (infra/settings.py, issue 22 item 2): every SPANRL_* name declared
+"""The one settings system (spanrl/core/settings.py, issue 22 item 2): every SPANRL_* name declared
 once, today's defaults, an undeclared name stops start-up, README's table is generated, no
 other module reads the environment, one DeepSpeed config."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from spanrl.infra import settings as S
-from spanrl.infra.settings import (DashboardSettings, ProducerSettings, ReloaderConfig, Settings, StackSettings,
-                                   StreamSettings, TopicSettings, TrainerConfig, UnknownSetting, check_environment)
+from spanrl.core import settings as S
+from spanrl.core.settings import (DashboardSettings, ProducerSettings, ReloaderConfig, Settings, StackSettings,
+                                  StreamSettings, TopicSettings, TrainerConfig, UnknownSetting, check_environment)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def test_a_misspelt_name_is_an_error_naming_it_and_the_closest_known_name():
     assert err.value.closest == {"SPANRL_TRAINER_LRR": "SPANRL_TRAINER_LR"}
     assert str(err.value).startswith("unknown setting in the environment: SPANRL_TRAINER_LRR "
                                      "(closest known: SPANRL_TRAINER_LR). Every SPANRL_* variable is declared in "
-                                     "spanrl/infra/settings.py")
+                                     "spanrl/core/settings.py")
 
 
 def test_every_unknown_name_is_listed_at_once_sorted():
@@ -90,7 +90,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 141
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 142
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -131,7 +131,8 @@ def test_stack_up_refuses_before_starting_anything(monkeypatch):
 def test_each_service_main_refuses(monkeypatch):
     import uvicorn
 
-    from spanrl.infra import model, setup_job
+    from spanrl.core import model
+    from spanrl.infra import setup_job
     from spanrl.infra.dashboard import app as dashboard
     from spanrl.producers import bridge, proxy
     from spanrl.trainer import reloader
@@ -217,7 +218,8 @@ def test_reloader_defaults():
         'run': None, 'checkpoints_topic': 'checkpoints', 'start': 'latest', 'from_version': 1, 'pause_mode': 'wait',
         'vllm_url': None, 'proxy_url': None, 'reload_timeout_s': 600.0, 'max_announcements': None,
         'watch_interval_s': 1.0, 'http': True, 'keep_local': 2, 'gate': False,
-        'gate_agent': 'examples.math_agent.agent:math_agent', 'gate_task_set': 'arith_word', 'gate_seed': 1000,
+        'gate_agent': 'examples.math_agent.agent:math_agent', 'gate_evaluation': 'spanrl.infra.evaluation:gate_rewards',
+        'gate_task_set': 'arith_word', 'gate_seed': 1000,
         'gate_offset': 200, 'gate_tasks': 40, 'gate_tolerance': 0.0, 'gate_concurrency': 8}
 
 
@@ -298,7 +300,7 @@ def test_topic_prefix_from_the_settings(monkeypatch):
 def test_readme_settings_table_is_generated_from_the_declarations():
     readme = (ROOT / "README.md").read_text()
     assert S.readme_table(readme) == S.markdown_table(), (
-        "README.md's settings table is stale: python -m spanrl.infra.settings --write-readme README.md")
+        "README.md's settings table is stale: python -m spanrl.core.settings --write-readme README.md")
     assert "| `SPANRL_REWARD_TIMEOUT_S` | float | `60.0` | s | stream | " in readme
 
 
@@ -317,9 +319,9 @@ ENV_ACCESS = re.compile(r"\bos\.environ\b|\bgetenv\b|\bputenv\b|\bunsetenv\b|__i
 
 def test_only_the_settings_module_touches_the_environment():
     offenders = []
-    for folder in ("producers", "stream_jobs", "trainer", "infra", "schemas", "spanrl"):
+    for folder in ("producers", "stream_jobs", "trainer", "infra", "schemas", "spanrl"):  # "**" follows no link
         for f in sorted((ROOT / folder).rglob("*.py")):
-            if f == ROOT / "infra" / "settings.py":
+            if f == ROOT / "spanrl" / "core" / "settings.py":
                 continue
             for n, line in enumerate(f.read_text().splitlines(), 1):
                 if ENV_ACCESS.search(line):

@@ -3,7 +3,7 @@ import base64
 
 from pathlib import Path
 
-from spanrl.infra.settings import Settings
+from spanrl.core.settings import Settings
 from spanrl.infra.stack import _kafka_cluster_id, vllm_args
 
 

@@ -519,7 +519,7 @@ def test_without_air_rules_transitions_are_as_before():
 def test_a_call_without_traceparent_takes_its_agent_from_the_span_joined_by_its_response_id():
     """The proxy's record of a call made with no traceparent has no parent; its minted response
     id links it to the framework's LLM span joined by that id, whose parent names the agent."""
-    from spanrl.producers import response_ids
+    from spanrl.core import response_ids
 
     minted = response_ids.mint("chatcmpl-5", "r1", "0")
     call = {"sequence_id": 0, "agent_name": None, "end_ns": 1,

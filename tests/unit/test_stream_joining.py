@@ -185,7 +185,7 @@ def _named(sid, rid, aid, parent=None, how="gen_ai"):
     """The framework's LLM span of a call answered with a minted id (no traceparent needed)."""
     import json
 
-    from spanrl.producers import response_ids
+    from spanrl.core import response_ids
 
     rid_ = response_ids.mint("chatcmpl-77", rid, aid)
     attrs = {"gen_ai.response.id": rid_} if how == "gen_ai" else {

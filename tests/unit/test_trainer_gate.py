@@ -40,3 +40,54 @@ def test_bad_input():
         gate_decision({"a": 1.0}, {"b": 1.0})
     with pytest.raises(ValueError):
         gate_decision({"a": 1.0}, {"a": 1.0}, tolerance=-0.1)
+
+
+# ---- who runs the gate's episodes: named by a setting, not imported by the trainer ----------
+
+def test_the_gate_evaluation_is_the_control_planes_by_default():
+    from spanrl.core import plugins
+    from spanrl.core.settings import ReloaderConfig
+    from spanrl.infra import evaluation
+
+    assert plugins.resolve(ReloaderConfig.from_environ({}).gate_evaluation) is evaluation.gate_rewards
+    with pytest.raises(AttributeError):
+        plugins.resolve("spanrl.infra.evaluation:no_such_thing")
+    with pytest.raises(ImportError):
+        plugins.resolve("spanrl.no_such_module:x")
+
+
+async def test_the_default_gate_evaluation_runs_the_held_out_tasks_it_ran_before(monkeypatch):
+    """The same tasks, agent and sampling as the reloader chose itself before the floor:
+    items [gate_offset, gate_offset + gate_tasks) of the task set, greedy."""
+    from examples.math_agent.tasks import load_task_set
+    from spanrl.core.settings import ReloaderConfig
+    from spanrl.infra import evaluation
+
+    seen = {}
+
+    async def episodes(cfg, s, tasks, on_done=None):
+        seen.update(cfg=cfg, tasks=tasks)
+        return [evaluation.Episode(t["task_id"], f"r{i}", "succeeded", reward=float(i % 2)) for i, t in enumerate(tasks)]
+
+    monkeypatch.setattr(evaluation, "run_policy_episodes", episodes)
+    cfg = ReloaderConfig.from_environ({}).model_copy(update={"gate_tasks": 5, "gate_offset": 3})
+    rewards = await evaluation.gate_rewards(cfg, object(), "gate-r-v1")
+    assert seen["tasks"] == load_task_set("arith_word", 1000, 8)[3:]
+    assert (seen["cfg"].agent, seen["cfg"].temperature, seen["cfg"].concurrency, seen["cfg"].name) == (
+        "examples.math_agent.agent:math_agent", 0.0, 8, "gate-r-v1")
+    assert rewards == {t["task_id"]: float(i % 2) for i, t in enumerate(seen["tasks"])}
+
+
+async def test_the_reloader_uses_the_evaluation_it_is_given(monkeypatch):
+    from spanrl.core.settings import ReloaderConfig, Settings
+    from spanrl.trainer import reloader
+
+    calls = []
+
+    async def evaluation(cfg, settings, name):
+        calls.append(name)
+        return {"t": 1.0}
+
+    rl = reloader.Reloader(ReloaderConfig.from_environ({}).model_copy(update={"run": "r"}),
+                           Settings.from_environ({}), gate_evaluation=evaluation)
+    assert await rl._gate_rewards("v3") == {"t": 1.0} and calls == ["gate-r-v3"]

@@ -107,7 +107,7 @@ def test_report_scalars_by_policy_version():
 def test_log_once_writes_under_run_and_who_and_never_raises(tmp_path, caplog):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from spanrl.infra.settings import Settings
+    from spanrl.core.settings import Settings
 
     s = Settings(tracker="tensorboard", tracker_dir=tmp_path)
     tracking.log_once(s, "demo-1", "eval/heldout-greedy", {7: {"eval/mean_reward": 0.3}, 0: {"eval/mean_reward": 0.2}})

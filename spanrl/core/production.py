@@ -28,14 +28,14 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spanrl.producers import ids
-from spanrl.producers.edge import BadRequest
+from spanrl.core import ids
+from spanrl.core.edge import BadRequest
 
 ROLLOUT_HEADER = "x-spanrl-rollout-id"
 TASK_HEADER = "x-spanrl-task"
 GROUP_SIZE_HEADER = "x-spanrl-group-size"
 PRODUCTION_ATTEMPT = "0"
-#: reason code of a bad ``x-spanrl-*`` header (its value's limits: producers/ids.py)
+#: reason code of a bad ``x-spanrl-*`` header (its value's limits: spanrl/core/ids.py)
 INVALID_HEADER = "invalid_rollout_header"
 
 # span attributes the proxy writes and the assembler reads
@@ -61,7 +61,7 @@ def production_rollout(headers: Mapping[str, str], mint: Callable[[], str] = min
     """The rollout of one call on the plain ``/v1`` routes, from its request headers (names
     lower-case, as Starlette gives them): see the module doc. Raises :class:`BadRequest` 400
     :data:`INVALID_HEADER` naming the header for a rollout id or task label outside the
-    limits of producers/ids.py (empty, over ``ids.MAX_ID_CHARS``, other characters), or a
+    limits of spanrl/core/ids.py (empty, over ``ids.MAX_ID_CHARS``, other characters), or a
     group size that is not an integer >= 1."""
     sent = headers.get(ROLLOUT_HEADER)
     rollout_id = ids.check(ids.ROLLOUT, sent.strip(), ROLLOUT_HEADER, INVALID_HEADER) if sent is not None else mint()

@@ -18,13 +18,13 @@ an option or ``..``), part of the stream worker's table keys, which join ids wit
 ``sql-chinook-tracks_of_artist-121``, ``rag-city_capital-city:2643743`` (the examples),
 attempt ids ``0``, ``1``, ... (tests/unit/test_producers_ids.py reads the examples' task lists).
 
-Pure: no FastAPI, no Kafka; :func:`check` raises :class:`~spanrl.producers.edge.BadRequest`.
+Pure: no FastAPI, no Kafka; :func:`check` raises :class:`~spanrl.core.edge.BadRequest`.
 """
 from __future__ import annotations
 
 import string
 
-from spanrl.producers.edge import BadRequest
+from spanrl.core.edge import BadRequest
 
 #: the longest id accepted (characters; every allowed character is one UTF-8 byte)
 MAX_ID_CHARS = 128

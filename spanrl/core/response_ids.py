@@ -11,7 +11,7 @@ therefore answers with an id that says which attempt the call belonged to::
 
     chatcmpl-<vLLM's id part>~spanrl~<rollout_id>~<attempt_id>
 
-``~`` is in no rollout or attempt id (producers/ids.py) and in no id vLLM makes, so the id
+``~`` is in no rollout or attempt id (spanrl/core/ids.py) and in no id vLLM makes, so the id
 splits back without ambiguity; the Responses and Messages translations (``resp_…``,
 ``msg_…``) keep the tail. Exact, not fuzzy: the join reads the attempt out of the id, it
 never matches texts or times. A client cannot name another rollout's attempt in a way it
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 
-from spanrl.producers import ids
+from spanrl.core import ids
 
 #: separator of the id's parts (in no rollout, attempt or vLLM id)
 SEP = "~"
@@ -40,7 +40,7 @@ def mint(upstream_id: str, rollout_id: str, attempt_id: str) -> str:
     """The id the proxy answers with for vLLM's ``upstream_id`` (e.g. ``chatcmpl-3f2a``) of a
     call of attempt ``(rollout_id, attempt_id)``: ``chatcmpl-3f2a~spanrl~R~A``. An id that
     already names an attempt is returned as it is. Raises BadRequest (400) for ids that
-    break producers/ids.py's rule (the proxy checked them before)."""
+    break spanrl/core/ids.py's rule (the proxy checked them before)."""
     ids.check(ids.ROLLOUT, rollout_id, "rollout_id")
     ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
     if attempt_of(upstream_id) is not None:
@@ -51,7 +51,7 @@ def mint(upstream_id: str, rollout_id: str, attempt_id: str) -> str:
 def attempt_of(response_id: object) -> tuple[str, str] | None:
     """``(rollout_id, attempt_id)`` a minted response id names (any prefix: ``chatcmpl-``,
     ``resp_``, ``msg_``), else None: not a string, not minted by :func:`mint`, or its ids
-    break producers/ids.py's rule."""
+    break spanrl/core/ids.py's rule."""
     if not isinstance(response_id, str) or SEP not in response_id:
         return None
     parts = response_id.split(SEP)

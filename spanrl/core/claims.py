@@ -117,11 +117,11 @@ def check_claimed(small: dict, full: dict) -> dict:
 
 # ---------------------------------------------------------------- MinIO plumbing
 def make_client(settings=None):
-    """A minio client for ``settings`` (spanrl.infra.settings.Settings; default: get_settings())."""
+    """A minio client for ``settings`` (spanrl.core.settings.Settings; default: get_settings())."""
     from minio import Minio
 
     if settings is None:
-        from spanrl.infra.settings import get_settings
+        from spanrl.core.settings import get_settings
 
         settings = get_settings()
     return Minio(settings.minio_endpoint, access_key=settings.minio_access_key,
