@@ -5,6 +5,8 @@ import asyncio
 from collections import Counter
 from types import SimpleNamespace
 
+from faust.types import TP
+
 from spanrl.stream_jobs import dead_letters as dl
 from spanrl.stream_jobs.agent_assemble import input_kinds
 from spanrl.stream_jobs.app import StreamConfig, make_app
@@ -148,7 +150,8 @@ def test_revoked_partitions_are_forgotten_by_each_agent_and_pages_answer():
         views = app.web.views
         counters = await views["/spanrl/counters/"].get(Request())
         held = await views["/spanrl/held/"].get(Request())
-        await lifecycle._forget_positions(app, [SimpleNamespace(partition=2)])
+        await app.on_partitions_revoked.send({TP("spans", 2)})  # as Faust's rebalance does
+        await app.on_before_shutdown.send()  # no client was made: nothing to stop
         return counters, held
 
     counters, held = asyncio.run(main())
