@@ -28,7 +28,7 @@ interface.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from spanrl.producers import messages, responses, streaming
@@ -148,7 +148,7 @@ class TypedStream:
         return sse_events([self.events.error(reason, message)])
 
 
-@dataclass(frozen=True)
+@dataclass
 class VllmApi:
     """One of vLLM's own APIs (chat completions, completions), served as it is: the client's
     body is the vLLM call's body (the same dict: the proxy adds the sampling seed and an
@@ -160,11 +160,11 @@ class VllmApi:
     endpoint: str
     span_api: str | None = None
     counter: str | None = None
+    #: vLLM's path of :attr:`endpoint`
+    upstream_path: str = field(init=False)
 
-    @property
-    def upstream_path(self) -> str:
-        """vLLM's path of :attr:`endpoint`."""
-        return UPSTREAM_PATHS[self.endpoint]
+    def __post_init__(self) -> None:
+        self.upstream_path = UPSTREAM_PATHS[self.endpoint]
 
     def vllm_request(self, body: dict) -> dict:
         """``body`` itself."""
