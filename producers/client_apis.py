@@ -20,8 +20,8 @@ and what routes and records need: ``name``, ``route`` (the path after a route fa
 ``span_api`` (the span's ``spanrl.api``: None for vLLM's own APIs) and ``counter`` (the
 ``/status`` counter of its requests, None: only ``requests``).
 
-:data:`CLIENT_APIS` is the table the proxy's routes are generated from, each API under each
-of its route families (``proxy.ROUTE_FAMILIES``): serving another API is one implementation
+:data:`CLIENT_APIS` is the table the proxy's routes are generated from, each API under every
+route family (``proxy.ROUTE_FAMILIES``): serving another API is one implementation
 and one row here. The translations themselves are pure and live with their API
 (producers/responses.py, producers/messages.py); this module only puts them behind the
 interface.

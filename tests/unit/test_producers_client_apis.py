@@ -42,10 +42,11 @@ def test_the_proxy_serves_the_same_paths():
 
 # ------------------------------------------------------------------ the table
 def test_the_routes_are_the_table_of_apis_by_families():
-    from spanrl.producers.client_apis import CLIENT_APIS, ClientApi
+    from spanrl.producers.client_apis import CLIENT_APIS, ClientApi, StreamEvents
     from spanrl.producers.proxy import ROUTE_FAMILIES, client_routes
 
     assert all(isinstance(api, ClientApi) for api in CLIENT_APIS)
+    assert all(isinstance(api.stream({}, {}), StreamEvents) for api in CLIENT_APIS)
     assert [api.name for api in CLIENT_APIS] == ["chat_completions", "completions", "responses", "messages"]
     assert list(ROUTE_FAMILIES) == ["rollout", "eval", "production"]
     routes = client_routes()
