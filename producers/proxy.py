@@ -29,6 +29,11 @@ Anthropic Messages clients use the base URL ``{proxy}/rollouts/{rollout_id}/atte
 (producers/messages.py), since vLLM's own ``/v1/messages`` returns no token ids; streamed, as
 the Messages stream events, ``message_stop`` only after Kafka acked the call.
 
+Each client API is one implementation of :class:`~spanrl.producers.client_apis.ClientApi`
+(request -> vLLM request, vLLM chunk -> client events, vLLM answer -> client body;
+producers/client_apis.py), and the routes are generated from the table
+``client_apis.CLIENT_APIS`` × :data:`ROUTE_FAMILIES` (:func:`client_routes`).
+
 The policy version comes from the reloader (``POST /admin/policy_version``; at start-up
 ``GET {reloader}/policy``). After a vLLM transport error the label may be false (a
 restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
@@ -50,7 +55,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import httpx
 import uvicorn
@@ -62,15 +67,21 @@ from spanrl.core import claims, ids, production, response_ids
 from spanrl.core import metrics as prom
 from spanrl.core.edge import BadRequest
 from spanrl.core.settings import ProducerSettings, TopicSettings, check_environment
-from spanrl.producers import edge, messages, responses, seeding, streaming
+from spanrl.producers import edge, seeding, streaming
+from spanrl.producers.client_apis import CLIENT_APIS, ClientApi, StreamEvents
+from spanrl.producers.client_apis import MESSAGES, sse_events, strip_response  # noqa: F401 - their old home
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
 from spanrl.producers.streaming import CHAT, COMPLETIONS, RecordFailed
 from spanrl.schemas import codec
 
 log = logging.getLogger("spanrl.proxy")
-#: client APIs served from vLLM's chat completions (the span's ``spanrl.api``)
-MESSAGES = "anthropic.messages"
 RETRY_AFTER_S = "5"
+ROLLOUT_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
+#: the route families every client API is served under (its ``route`` after the prefix):
+#: a runner's rollout attempt; the same recorded on the evaluation topics (``{sampling}``:
+#: ``agent`` keeps the client's sampling, a number sets every call's temperature, 0: greedy);
+#: agents in production, the rollout from headers (spanrl/core/production.py)
+ROUTE_FAMILIES = {"rollout": ROLLOUT_PREFIX, "eval": "/eval/{sampling}" + ROLLOUT_PREFIX, "production": "/v1"}
 #: the proxy's plain counters (its JSON ``/status``) as Prometheus counters; every other key
 #: of the count dict is a status, vLLM status, dead-letter or refusal reason (prom.count_families)
 PLAIN_COUNTERS = {
@@ -188,27 +199,6 @@ def upstream_body(endpoint: str, body: dict) -> dict:
         out["logprobs"] = True
     else:
         out["logprobs"] = max(1, int(body.get("logprobs") or 0))
-    return out
-
-
-def strip_response(endpoint: str, client_body: dict, response: dict) -> dict:
-    """vLLM's answer without the token ids / log-probs the client did not ask for."""
-    want_ids = bool(client_body.get("return_token_ids"))
-    want_lp = bool(client_body.get("logprobs")) if endpoint == CHAT else client_body.get("logprobs") is not None
-    if want_ids and want_lp:
-        return response
-    out = dict(response)
-    out["choices"] = [dict(c) for c in response.get("choices", [])]
-    if not want_ids:
-        if "prompt_token_ids" in out:
-            out["prompt_token_ids"] = None
-        for c in out["choices"]:
-            for k in ("token_ids", "prompt_token_ids"):
-                if k in c:
-                    c[k] = None
-    if not want_lp:
-        for c in out["choices"]:
-            c["logprobs"] = None
     return out
 
 
@@ -451,13 +441,12 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
     edge.install_error_handlers(app, error)
 
-    async def call(endpoint: str, path: str, rollout_id: str, attempt_id: str, request: Request,
+    async def call(api: ClientApi, rollout_id: str, attempt_id: str, request: Request,
                    topics: Topics = train_topics, sampling: str | None = None,
-                   api: str | None = None, attributes: dict | None = None) -> Response:
-        """One recorded vLLM call. ``api``: the client's API when it is not vLLM's, served as a
-        chat call: ``responses.RESPONSES`` (producers/responses.py, answered as a Response
-        object or its event stream) or :data:`MESSAGES` (producers/messages.py, answered as a
-        Messages answer); the span says which in ``spanrl.api``."""
+                   attributes: dict | None = None) -> Response:
+        """One recorded vLLM call, asked and answered in the client's ``api``
+        (producers/client_apis.py: its request made the vLLM call's body, its answer or stream
+        made from vLLM's); the span says which in ``spanrl.api`` when it is not vLLM's own."""
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
@@ -465,12 +454,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
             body = client_body = parse_body(request.headers.get("content-type"), await request.body())
-            if api == responses.RESPONSES:
-                metrics["responses_requests"] += 1
-                body = responses.chat_request(client_body)
-            elif api == MESSAGES:
-                metrics["messages_requests"] += 1
-                body = messages.chat_request(client_body)
+            if api.counter is not None:
+                metrics[api.counter] += 1
+            body = api.vllm_request(client_body)
             if (seed_header := request.headers.get(seeding.SEED_HEADER)) is not None and body.get("seed") is None:
                 try:  # the call's sampling seed from the run seed (producers/seeding.py)
                     body["seed"] = seeding.parse_seed(seed_header)
@@ -484,28 +470,22 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                 body["temperature"] = temperature
             check_n(body)
             streamed = check_stream(body)
-        except (BadRequest, messages.MessagesError) as exc:
-            return error(exc.status, exc.reason, exc.detail, param=getattr(exc, "param", None))
+        except BadRequest as exc:
+            return error(exc.status, exc.reason, exc.detail, param=exc.param)
         if body.get("model") != model_name:
             return error(404, "model_not_found", f"model {body.get('model')!r} is not served; use {model_name!r}")
         if not policy.synced:  # error() counts the reason
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
-        ctx = CallContext(endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
-                          parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api,
+        ctx = CallContext(api.endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
+                          parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api.span_api,
                           attributes)
-        if streamed and api in (responses.RESPONSES, MESSAGES):  # that API's events from vLLM's chat chunks
-            events = responses.ResponseEvents(client_body, body) if api == responses.RESPONSES \
-                else messages.MessageEvents()
-            return await stream(ctx, path, lambda chunk: sse_events(events.chunk(chunk)),
-                                lambda answer: sse_events(events.finish(answer)),
-                                lambda reason, message, status: sse_events([events.error(reason, message)]))
         if streamed:
-            return await stream(ctx, path)
+            return await stream(ctx, api.upstream_path, api.stream(client_body, body))
         try:
             t0 = time.perf_counter()
-            upstream = await app.state.client.post(path, json=upstream_body(endpoint, body))
-            upstream_s.labels(endpoint, "false").observe(time.perf_counter() - t0)
+            upstream = await app.state.client.post(api.upstream_path, json=upstream_body(api.endpoint, body))
+            upstream_s.labels(api.endpoint, "false").observe(time.perf_counter() - t0)
         except httpx.TransportError as exc:
             return vllm_unavailable(exc)
         if upstream.status_code != 200:
@@ -519,10 +499,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         except RecordFailed as exc:
             return error(exc.status, exc.reason, exc.detail,
                          {"Retry-After": RETRY_AFTER_S} if exc.status == 503 else None)
-        if api == responses.RESPONSES:
-            return JSONResponse(responses.response_object(client_body, body, response))
-        answer = strip_response(endpoint, body, response)
-        return JSONResponse(messages.message_response(answer) if api == MESSAGES else answer)
+        return JSONResponse(api.answer(client_body, body, response))
 
     def vllm_unavailable(exc: httpx.TransportError) -> Response:
         if vllm_lost(exc) and policy.vllm_unreachable():
@@ -581,14 +558,12 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             raise RecordFailed(503, "kafka_unavailable", str(exc)) from exc
         metrics["spans"] += len(items)
 
-    async def stream(ctx: CallContext, path: str, translate: Callable[[dict], bytes] | None = None,
-                     closing: Callable[[dict], bytes] | None = None,
-                     fail_event: Callable[[str, str, int], bytes] = streaming.error_event) -> Response:
-        """``stream: true``: vLLM's events forwarded as they come (streaming.relay); the spans
-        written after vLLM's [DONE], and the client's [DONE] sent once Kafka acked them.
-        Another API served from vLLM's stream at ``path`` passes ``translate`` (vLLM chunk ->
-        the client's bytes), ``closing`` (assembled answer -> the bytes sent after the ack)
-        and ``fail_event``; ``ctx.body`` is then the body sent to vLLM."""
+    async def stream(ctx: CallContext, path: str, events: StreamEvents) -> Response:
+        """``stream: true``: vLLM's events at ``path`` made the client's as they come
+        (``events.chunk``, streaming.relay); the spans written after vLLM's [DONE], and the
+        client's closing events (``events.finish``: ``data: [DONE]`` for vLLM's own APIs) sent
+        once Kafka acked them, a failure's event (``events.error``) otherwise. ``ctx.body`` is
+        the body sent to vLLM."""
         client: httpx.AsyncClient = app.state.client
         body = streaming.upstream_stream_body(upstream_body(ctx.endpoint, ctx.body))
         t0 = time.perf_counter()
@@ -603,12 +578,6 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             return Response(content, upstream.status_code, media_type="application/json")
         metrics["streams"] += 1
 
-        def forward(chunk: dict) -> bytes:
-            if translate is not None:
-                return translate(chunk)
-            out = streaming.strip_chunk(ctx.body, chunk, lambda c: strip_response(ctx.endpoint, ctx.body, c))
-            return b"" if out is None else streaming.sse_event(out)
-
         async def recorded(response: dict) -> bytes:
             upstream_s.labels(ctx.endpoint, "true").observe(time.perf_counter() - t0)  # after vLLM's [DONE]
             try:
@@ -616,7 +585,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             except RecordFailed as exc:  # the stream ends with its error event, no [DONE]
                 metrics[exc.reason] += 1
                 raise
-            return closing(response) if closing is not None else streaming.sse_event(streaming.DONE)
+            return events.finish(response)
 
         async def interrupted(reason: str, detail: str, partial: dict) -> None:
             span = base_span(ctx, None, partial, 0)
@@ -643,57 +612,13 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                 chunk["id"] = minted[upstream_id]
             return chunk
 
-        relay = streaming.Relay(ctx.endpoint, upstream.aiter_lines(), forward, recorded, interrupted,
-                                upstream.aclose, lost, fail_event, edit=named)
+        relay = streaming.Relay(ctx.endpoint, upstream.aiter_lines(), events.chunk, recorded, interrupted,
+                                upstream.aclose, lost, events.error, edit=named)
         return streaming.EventStreamResponse(streaming.relay(relay, (httpx.TransportError,)),
                                              headers={"cache-control": "no-cache"})
 
-    prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"
-    # the same API, recorded on the evaluation topics; {sampling}: "agent" keeps the client's
-    # sampling, a number sets every call's temperature (0: greedy)
-    eval_prefix = "/eval/{sampling}" + prefix
-
-    @app.post(prefix + "/chat/completions")
-    async def chat(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request)
-
-    @app.post(prefix + "/completions")
-    async def completions(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request)
-
-    # Anthropic Messages: the client's base URL is the prefix without /v1 (the SDK adds /v1/messages)
-    @app.post(prefix + "/messages")
-    async def anthropic_messages(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, api=MESSAGES)
-
-    @app.post(eval_prefix + "/messages")
-    async def eval_anthropic_messages(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
-                          api=MESSAGES)
-
-    @app.post(prefix + "/responses")
-    async def responses_api(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, api=responses.RESPONSES)
-
-    @app.post(eval_prefix + "/responses")
-    async def eval_responses_api(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling,
-                          api=responses.RESPONSES)
-
-    @app.post(eval_prefix + "/chat/completions")
-    async def eval_chat(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(CHAT, "/v1/chat/completions", rollout_id, attempt_id, request, eval_topics, sampling)
-
-    @app.post(eval_prefix + "/completions")
-    async def eval_completions(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await call(COMPLETIONS, "/v1/completions", rollout_id, attempt_id, request, eval_topics, sampling)
-
-    @app.get(eval_prefix + "/models")
-    async def eval_models(sampling: str, rollout_id: str, attempt_id: str) -> Response:
-        return await models(rollout_id, attempt_id)
-
-    @app.get(prefix + "/models")
-    async def models(rollout_id: str, attempt_id: str) -> Response:
+    async def models() -> Response:
+        """vLLM's model list (the same answer on every route family, for every rollout)."""
         try:
             upstream = await app.state.client.get("/v1/models")
         except httpx.TransportError as exc:
@@ -703,36 +628,38 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         return Response(upstream.content, upstream.status_code, media_type="application/json")
 
     # ---- production agents: the plain base URL {proxy}/v1, rollout from headers (spanrl/core/production.py)
-    async def production_call(endpoint: str, path: str, request: Request, api: str | None = None) -> Response:
+    async def production_call(api: ClientApi, request: Request) -> Response:
         try:
             rollout = production.production_rollout(request.headers)
         except BadRequest as exc:
             return error(exc.status, exc.reason, exc.detail, param=exc.param)
         metrics["production_requests"] += 1
-        response = await call(endpoint, path, rollout.rollout_id, production.PRODUCTION_ATTEMPT, request,
-                              api=api, attributes=production.span_attributes(rollout))
+        response = await call(api, rollout.rollout_id, production.PRODUCTION_ATTEMPT, request,
+                              attributes=production.span_attributes(rollout))
         response.headers[production.ROLLOUT_HEADER] = rollout.rollout_id
         return response
 
-    @app.post("/v1/chat/completions")
-    async def production_chat(request: Request) -> Response:
-        return await production_call(CHAT, "/v1/chat/completions", request)
+    # ---- the client APIs' routes: every API of CLIENT_APIS under every family of ROUTE_FAMILIES
+    def rollout_route(api: ClientApi) -> Callable[..., Awaitable[Response]]:
+        async def rollout_handler(rollout_id: str, attempt_id: str, request: Request) -> Response:
+            return await call(api, rollout_id, attempt_id, request)
+        return rollout_handler
 
-    @app.post("/v1/completions")
-    async def production_completions(request: Request) -> Response:
-        return await production_call(COMPLETIONS, "/v1/completions", request)
+    def eval_route(api: ClientApi) -> Callable[..., Awaitable[Response]]:
+        async def eval_handler(sampling: str, rollout_id: str, attempt_id: str, request: Request) -> Response:
+            return await call(api, rollout_id, attempt_id, request, eval_topics, sampling)
+        return eval_handler
 
-    @app.post("/v1/responses")
-    async def production_responses(request: Request) -> Response:
-        return await production_call(CHAT, "/v1/chat/completions", request, api=responses.RESPONSES)
+    def production_route(api: ClientApi) -> Callable[..., Awaitable[Response]]:
+        async def production_handler(request: Request) -> Response:
+            return await production_call(api, request)
+        return production_handler
 
-    @app.post("/v1/messages")
-    async def production_messages(request: Request) -> Response:
-        return await production_call(CHAT, "/v1/chat/completions", request, api=MESSAGES)
-
-    @app.get("/v1/models")
-    async def production_models() -> Response:
-        return await models("", "")  # the same answer for every rollout
+    handlers = {"rollout": rollout_route, "eval": eval_route, "production": production_route}
+    for family, path, api in client_routes():
+        app.add_api_route(path, handlers[family](api), methods=["POST"], name=f"{family}_{api.name}")
+    for family, prefix in ROUTE_FAMILIES.items():
+        app.add_api_route(prefix + "/models", models, methods=["GET"], name=f"{family}_models")
 
     @app.get("/admin/policy_version")
     async def get_version() -> dict:
@@ -776,9 +703,10 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     return app
 
 
-def sse_events(events: list[dict]) -> bytes:
-    """Responses or Messages stream events as server-sent events, each named by its ``type``."""
-    return b"".join(streaming.sse_event(e, e["type"]) for e in events)
+def client_routes(apis: tuple[ClientApi, ...] = CLIENT_APIS) -> list[tuple[str, str, ClientApi]]:
+    """``(family, path, api)`` of every client-API route: each API of ``apis`` under each
+    family of :data:`ROUTE_FAMILIES` (the proxy's POST routes, generated from this table)."""
+    return [(family, prefix + api.route, api) for family, prefix in ROUTE_FAMILIES.items() for api in apis]
 
 
 def eval_temperature(sampling: str) -> float | None:

@@ -296,9 +296,15 @@ def test_load_balancer_routes_each_rollout_to_one_proxy():
     assert rx.match("/eval/0/rollouts/r-8/attempts/a1/v1/responses")["rid"] == "r-8"
     assert rx.match("/rollouts/r-9/attempts/0/v1/messages")["rid"] == "r-9"
     assert rx.match("/health") is None
-    proxy_src = (ROOT / "producers" / "proxy.py").read_text()
-    assert 'prefix = "/rollouts/{rollout_id}/attempts/{attempt_id}/v1"' in proxy_src
-    assert 'eval_prefix = "/eval/{sampling}" + prefix' in proxy_src
+    from spanrl.producers.proxy import ROUTE_FAMILIES, client_routes
+
+    assert list(ROUTE_FAMILIES) == ["rollout", "eval", "production"]  # production: the rollout is in a header
+    for family, path, _ in client_routes():
+        if family != "production":
+            url = path.format(sampling="0", rollout_id="r-10", attempt_id="a2")
+            assert rx.match(url)["rid"] == "r-10", url
+            models = ROUTE_FAMILIES[family].format(sampling="0", rollout_id="r-11", attempt_id="a2") + "/models"
+            assert rx.match(models)["rid"] == "r-11"
     upstream = next(d for d in http if d["directive"] == "upstream" and d["args"] == ["proxies"])["block"]
     servers = {d["args"][0].split(":")[0] for d in upstream if d["directive"] == "server"}
     assert servers == {n for n in compose()["services"] if n.startswith("proxy-")}
