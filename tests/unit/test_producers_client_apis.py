@@ -146,7 +146,7 @@ def test_completions_is_vllm_s_own_api_minus_what_was_not_asked():
 
 def test_responses_api_conversions():
     from spanrl.producers.client_apis import RESPONSES_API as api
-    from spanrl.producers.edge import BadRequest
+    from spanrl.core.edge import BadRequest
 
     body = {"model": "policy", "input": "Hi?", "instructions": "Be brief.", "max_output_tokens": 4}
     chat = api.vllm_request(body)
@@ -181,7 +181,7 @@ def test_responses_api_conversions():
 
 def test_messages_api_conversions():
     from spanrl.producers.client_apis import MESSAGES_API as api
-    from spanrl.producers.edge import BadRequest
+    from spanrl.core.edge import BadRequest
 
     body = {"model": "policy", "max_tokens": 4, "system": "Be brief.", "messages": USER, "stop_sequences": ["."]}
     chat = api.vllm_request(body)
