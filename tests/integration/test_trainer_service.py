@@ -576,7 +576,7 @@ async def _spans(topic: str, rollout_id: str, at_least: int = 0, timeout_s: floa
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from spanrl.schemas.codec import decode
-    from spanrl.trainer.train import _partitions
+    from spanrl.core.partitions import topic_partitions
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -584,7 +584,7 @@ async def _spans(topic: str, rollout_id: str, at_least: int = 0, timeout_s: floa
                              isolation_level="read_committed", enable_auto_commit=False)
         await c.start()
         try:
-            parts = await _partitions(c, topic)
+            parts = await topic_partitions(c, topic)
             assert parts, f"no partitions for {topic}"
             tps = [TopicPartition(topic, p) for p in parts]
             c.assign(tps)
