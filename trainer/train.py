@@ -409,12 +409,9 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 raise ValueError("a replayed sample's advantage is per token exactly when prefix_tree_advantage is on")
             samples.append(s)
             keys.append(sample_key(s))
-            weighted = self_imitation.replay_advantage(entry)
-            if per_token is None:
-                advantages.append(weighted)
-            else:
-                advantages.append(a * self_imitation.weight)
-                per_token.append(weighted)
+            advantages.append(a * self_imitation.weight)
+            if per_token is not None:
+                per_token.append(self_imitation.replay_advantage(entry))
         base["replayed"] = len(replay)
         base["replayed_tokens"] = sum(len(s["transition"]["completion_token_ids"]) for s, _, _ in replay)
     minis = losses.mini_batch_indices(keys, mini_batches)
