@@ -4,9 +4,12 @@
 app) after :func:`check_version`, which refuses a Faust they were not verified against.
 Each patch names what it works around and carries the text of the upstream report (the
 faust-streaming tracker's known issues it relates to are cited; where none says it
-exactly, the report below is the one to file). Tests: tests/unit/test_faust_buffer_drain.py
-(fails without the buffer drain), test_stream_app / test_chaos (worker SIGKILL: 0 lost,
-0 duplicated), tests/unit/test_faust_patches.py (the version and that install patches).
+exactly, the report below is the one to file). Unit tests, each failing without its patch
+(checked by disabling each in turn): tests/unit/test_faust_patches.py (send: the source
+partition's transaction; commit: the queued changelog writes go first; recovery highwaters;
+resume; the version refused with what to do, at make_app), tests/unit/test_faust_buffer_drain.py
+(the drain, and the write the background sender holds); end to end: test_stream_app /
+test_chaos (worker SIGKILL: 0 lost, 0 duplicated).
 
 1. :func:`_install_source_partition_transactions`: records produced while handling an event
    go in the transaction of the event's source partition; and the commit drains the producer

@@ -74,3 +74,36 @@ def test_drain_of_an_empty_buffer_returns_at_once():
         return await asyncio.wait_for(drain_producer_buffer(buf), timeout=1.0)
 
     assert asyncio.run(main()) == 0
+
+
+class UnevenChannel(SlowChannel):
+    """A publish of ``slow_key`` takes ``delay_s``; every other publish is immediate."""
+
+    def __init__(self, slow_key: str, delay_s: float):
+        super().__init__(delay_s)
+        self.slow_key = slow_key
+
+    async def publish_message(self, fut, wait: bool = False):
+        if fut.message.key == self.slow_key:
+            await asyncio.sleep(self.delay_s)
+        self.published.append(fut.message.key)
+
+
+def test_drain_waits_for_the_write_the_background_sender_holds():
+    """The counter of writes held by the sender (_count_buffer_sends): without it, the drain
+    returns once the queue is empty while the sender still holds its write, which then misses
+    the transaction the commit that follows closes."""
+    _count_buffer_sends()
+
+    async def main():
+        ch = UnevenChannel("k0", 0.3)
+        buf = _buffer_with(ch, 3)
+        await buf.start()  # its background sender takes k0 and holds it 0.3 s
+        await asyncio.sleep(0.05)
+        try:
+            await drain_producer_buffer(buf)
+            return sorted(ch.published)
+        finally:
+            await buf.stop()
+
+    assert asyncio.run(main()) == ["k0", "k1", "k2"]

@@ -44,3 +44,155 @@ def test_resume_of_a_flowing_queue_keeps_its_records():
         return kept, q.qsize()
 
     assert asyncio.run(main()) == (1, 0)
+
+
+# Each patch against a stand-in for the Faust object it patches: these fail without it
+# (checked by disabling each patch in install(): see the report of issue 22 item 3).
+
+import asyncio  # noqa: E402
+import weakref  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+from faust.streams import _current_event  # noqa: E402
+from faust.types import TP  # noqa: E402
+
+
+class _Recorder:
+    """A producer stand-in: what was sent, with which transactional id; what was committed."""
+
+    def __init__(self, log=None):
+        self.sent, self.log = [], log if log is not None else []
+
+    async def send(self, topic, key, value, partition, timestamp, headers, *, transactional_id=None):
+        self.sent.append((topic, partition, transactional_id))
+
+    async def flush(self):
+        self.log.append("flush")
+
+    async def commit_transactions(self, by_transactional_id, group_id, start_new_transaction=True):
+        self.log.append(("commit", {t: dict(o) for t, o in by_transactional_id.items()}))
+
+
+def _manager(producer, log=None):
+    """A TransactionManager's attributes as its send and commit read them: app id "app",
+    co-partition groups 0 (the rollout inputs) and 1 (transitions), no group for an output
+    the app only writes; the consumer's partitioner puts every keyed record on partition 3."""
+    groups = {"spans": 0, "rewards": 0, "transitions": 1}
+    return SimpleNamespace(
+        app=SimpleNamespace(conf=SimpleNamespace(id="app"),
+                            assignor=SimpleNamespace(group_for_topic=lambda t: groups[t]),
+                            producer=SimpleNamespace(buffer=None)),
+        consumer=SimpleNamespace(key_partition=lambda topic, key, partition: 3 if partition is None else partition),
+        producer=producer)
+
+
+def test_a_record_sent_while_handling_an_event_joins_its_source_partitions_transaction():
+    """Patch 1 (send): upstream picks the transaction from the destination (samples has no
+    co-partition group: KeyError; transitions partition 3: another transaction than the
+    span's, committed on its own)."""
+    faust_patches.install()
+    producer = _Recorder()
+    tm = _manager(producer)
+    class Event:  # Faust holds the current event by weak reference
+        message = SimpleNamespace(tp=TP("spans", 2))
+
+    event = Event()
+
+    async def handle():
+        token = _current_event.set(weakref.ref(event))
+        try:
+            await TransactionManager.send(tm, "samples", b"t", b"v", None, None, None)
+            await TransactionManager.send(tm, "transitions", b"t", b"v", None, None, None)
+        finally:
+            _current_event.reset(token)
+
+    asyncio.run(handle())
+    assert producer.sent == [("samples", None, "app-0-2"), ("transitions", None, "app-0-2")]
+
+
+class _Channel:
+    """Where the producer buffer's writes end up (a changelog topic): each takes 10 ms."""
+
+    def __init__(self, log):
+        self.log = log
+
+    async def publish_message(self, fut, wait: bool = False):
+        await asyncio.sleep(0.01)
+        self.log.append(("changelog", fut.message.key))
+
+
+def test_a_commit_carries_the_changelog_writes_queued_before_it():
+    """Patch 1 (commit): upstream commits the offsets with the table writes still queued in
+    Faust's ProducerBuffer (a crash then loses them while their inputs' offsets are committed)."""
+    from faust.types.tuples import FutureMessage, PendingMessage
+
+    faust_patches.install()
+    log: list = []
+    tm = _manager(_Recorder(log), log)
+
+    async def main():
+        buf = ProducerBuffer()
+        buf.app = SimpleNamespace(conf=SimpleNamespace(producer_threaded=False))
+        ch = _Channel(log)
+        for key in ("rollout-a", "rollout-b"):
+            buf.put(FutureMessage(PendingMessage(ch, key, b"state", 0, None, None, None, None, None)))
+        tm.app.producer.buffer = buf
+        await TransactionManager.commit(tm, {TP("spans", 2): 41})
+
+    asyncio.run(main())
+    assert log == [("changelog", "rollout-a"), ("changelog", "rollout-b"), "flush",
+                   ("commit", {"app-0-2": {TP("spans", 2): 41}})]
+
+
+def test_recovery_reads_each_changelogs_end_from_the_broker():
+    """Patch 2: in a transaction upstream takes the last stable offset from the fetch state,
+    unknown (-1 here, as aiokafka answers before a fetch) at recovery: every changelog reads
+    as empty. Patched: ListOffsets (end_offsets, read_committed) from the broker."""
+    faust_patches.install()
+    tp = TP("app-rollouts-changelog", 1)
+
+    class Consumer:
+        def last_stable_offset(self, tp):
+            return -1  # nothing fetched yet
+
+        async def end_offsets(self, partitions):
+            return {p: 57 for p in partitions}
+
+    thread = SimpleNamespace(_ensure_consumer=lambda: Consumer(),
+                             consumer=SimpleNamespace(in_transaction=True))
+    assert asyncio.run(AIOKafkaConsumerThread._highwaters(thread, [tp])) == {tp: 57}
+
+
+@pytest.mark.parametrize("dist,installed", [("faust-streaming", "0.16.0"), ("mode-streaming", "0.8.0")])
+def test_an_unverified_faust_is_refused_with_what_to_do(monkeypatch, dist, installed):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: installed if d == dist else real(d))
+    with pytest.raises(RuntimeError) as exc:
+        faust_patches.check_version()
+    verified = faust_patches.VERIFIED_VERSIONS if dist == "faust-streaming" else faust_patches.VERIFIED_MODE_VERSIONS
+    assert str(exc.value).startswith(
+        f"{dist} {installed} is installed, but stream_jobs/faust_patches.py was verified against "
+        f"{', '.join(verified)} only: install one of those")
+    assert f"add {installed} to its verified versions" in str(exc.value)
+
+
+def test_the_worker_refuses_an_unverified_faust_at_start_up(monkeypatch):
+    """make_app (what ``python -m spanrl.stream_jobs.app worker`` runs at import) checks the
+    version before it builds anything."""
+    import importlib.metadata
+
+    import faust
+
+    from spanrl.stream_jobs.app import StreamConfig, make_app
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda d: "0.16.0" if d == "faust-streaming" else real(d))
+    built = []
+    monkeypatch.setattr(faust, "App", lambda *a, **kw: built.append(a))
+    with pytest.raises(RuntimeError, match=r"^faust-streaming 0\.16\.0 is installed"):
+        make_app(StreamConfig(app_id="unit-unverified"))
+    assert built == []
