@@ -18,6 +18,7 @@ from tiny_models import tiny_qwen2
 from spanrl.core.settings import Settings, TrainerConfig
 from spanrl.trainer import batching, tracking, train
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, break_cause, collate_rows, merge_calls, truncated
+from spanrl.trainer.self_imitation import SelfImitationBuffer, positive_entries
 
 
 def _call(prompt, completion, call_index=0, *, rollout="r1", agent="math_agent", behaviour=None, adv=0.5, ret=1.0,
@@ -293,7 +294,17 @@ OPTIONS = {
     "full_logits_dr_grpo": {"logprob_chunk": 0, "advantage_std_scale": False, "micro_batch_tokens": 700},
     "prefix_tree_mini_batches_kl": {"prefix_tree_advantage": True, "mini_batches": 2, "kl_coef": 0.1,
                                     "ratio_cap": 3.0, "negative_advantage_weight": 0.5},
+    "self_imitation_drop_zero_variance_epochs": {"drop_zero_variance": True, "ppo_epochs": 2},
 }
+
+
+def earlier_update(calls: list[dict]) -> list[dict]:
+    """``calls`` as another group of an earlier update (other rollout ids), for a replay buffer."""
+    out = copy.deepcopy(calls)
+    for c in out:
+        c["transition"]["rollout_id"] += "-earlier"
+        c["group_id"] = "earlier"
+    return out
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -306,13 +317,25 @@ def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
     options = dict(OPTIONS[name])
     if options.get("kl_coef"):
         options["ref_model"] = tiny_policy(seed=2).eval()
+    replayed = []
+    if name.startswith("self_imitation"):  # a replayed earlier group, and a zero-variance group dropped
+        flat = earlier_update(calls)
+        for c in flat:
+            c["transition"]["rollout_id"] += "-flat"
+            c.update(group_id="flat", group_std=0.0, advantage=0.0)
+        replayed = earlier_update(calls)
+        calls = calls + flat
     got = {}
     for merge in (False, True):
+        if replayed:
+            options["self_imitation"] = SelfImitationBuffer(2)
+            options["self_imitation"].add(positive_entries(replayed, [c["advantage"] for c in replayed]))
         engine = GradEngine(tiny_policy())
         metrics = train.train_update(engine, copy.deepcopy(calls), prefix_merge=merge, **options)
         got[merge] = (metrics, engine.grads)
     (per_call, g_call), (merged, g_merged) = got[False], got[True]
-    assert len(g_call) == len(g_merged) == (2 if name == "prefix_tree_mini_batches_kl" else 1)
+    assert len(g_call) == len(g_merged) == (1 if name in ("token_mean", "sequence_mean", "per_rollout_mean",
+                                                          "full_logits_dr_grpo") else 2)
     for a, b in zip(g_call, g_merged):
         assert float(a.abs().max()) > 0
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
@@ -326,6 +349,9 @@ def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
     assert merged["tokens"] == merged["prefix_merge_tokens"] < per_call["tokens"]
     if name == "prefix_tree_mini_batches_kl":  # content order cuts the episodes' chains
         assert merged["prefix_merge_mini_batch_cuts"] == merged["prefix_merge_rows"] - 5
+    elif replayed:  # 9 calls dropped (zero variance), the 5 positive earlier calls replayed: 2 rows more
+        assert (merged["dropped_zero_variance"], merged["replayed"]) == (9, 5)
+        assert (merged["prefix_merge_rows"], merged["prefix_merge_links"]) == (7, 7)
     else:
         assert (merged["prefix_merge_rows"], merged["prefix_merge_links"]) == (5, 4)
         assert merged["prefix_merge_breaks"] == _no_breaks(retokenisation=1)
@@ -346,3 +372,23 @@ def test_prefix_merge_through_deepspeed_matches_per_call(tokenizer):
     assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-5)
     assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
     assert float((w0 - w1).abs().max()) <= 1e-5
+
+
+def test_the_trainer_counts_merges_in_status_and_the_update_line(tokenizer, monkeypatch, tmp_path):
+    """Trainer._train with prefix_merge on (the engine a GradEngine, nothing published): /status's
+    ``prefix_merge`` adds up the updates' rows, links, breaks and tokens; the update log line has them."""
+    import asyncio
+    import json
+
+    monkeypatch.setattr(train.checkpoint, "make_client", lambda settings: None)
+    t = train.Trainer(TrainerConfig(run="unit", http=False, log_path=tmp_path / "t.jsonl", prefix_merge=True,
+                                    checkpoint_every=100))
+    t.engine = GradEngine(tiny_policy())
+    t.state.trained_offsets = {f"{t.cfg.samples_topic}:0": 0}  # where the run started
+    calls = with_behaviour(math_group(tokenizer), tiny_policy())
+    for update in range(2):
+        asyncio.run(t._train([(0, 9 * update + k, c) for k, c in enumerate(copy.deepcopy(calls))], pad_id=2))
+    assert t.status()["prefix_merge"] == {"enabled": True, "rows": 10, "links": 8, "tokens": 2 * 1628,
+                                          "tokens_per_call": 2 * 2848, "breaks": _no_breaks(retokenisation=2)}
+    line = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines() if '"update"' in x][-1]
+    assert (line["prefix_merge_rows"], line["prefix_merge_breaks"]) == (5, _no_breaks(retokenisation=1))
