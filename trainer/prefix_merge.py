@@ -38,7 +38,10 @@ A chain breaks between consecutive calls of one attempt (``(rollout_id, attempt_
   ``transition`` v2 does not, a completion that does not end with one of ``stop_token_ids``);
 - ``retokenisation``: the difference is at or after the seam of a completion that ended
   normally (the agent's text of the answer tokenised again differently from the sampled ids,
-  or the template rendering the turn's end otherwise).
+  or the template rendering the turn's end otherwise);
+- ``same_prompt``: the next prompt is exactly the previous one (another choice of an ``n`` > 1
+  request, which the proxy records as calls of their own, or a retried request): siblings,
+  not a continuation; a row holds a path, not a tree (AReaL's tree attention would share them).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ import torch
 from spanrl.trainer import batching
 
 #: why two consecutive calls of one attempt are not one row (module docstring)
-BREAK_CAUSES = ("template_rewrite", "retokenisation", "truncation", "different_agent")
+BREAK_CAUSES = ("template_rewrite", "retokenisation", "truncation", "different_agent", "same_prompt")
 
 
 @dataclass
@@ -110,7 +113,7 @@ def break_cause(prev: dict, nxt: dict, stop_token_ids: "set[int] | None" = None)
     in the same attempt), or None when it does: ``nxt``'s prompt starts with exactly
     ``prev``'s prompt + completion (module docstring for the causes and their order).
     Example: prev prompt [1, 2], completion [3]; next prompt [1, 2, 3, 4] -> None,
-    [1, 9, 3, 4] -> "template_rewrite", [1, 2, 7, 4] -> "retokenisation"."""
+    [1, 9, 3, 4] -> "template_rewrite", [1, 2, 7, 4] -> "retokenisation", [1, 2] -> "same_prompt"."""
     if prev.get("agent_name") != nxt.get("agent_name"):
         return "different_agent"
     p = list(prev["prompt_token_ids"])
@@ -121,6 +124,8 @@ def break_cause(prev: dict, nxt: dict, stop_token_ids: "set[int] | None" = None)
     first = next((j for j, (a, b) in enumerate(zip(prompt, context)) if a != b), min(len(prompt), len(context)))
     if first < len(p):
         return "template_rewrite"
+    if prompt == p:
+        return "same_prompt"
     return "truncation" if truncated(prev, stop_token_ids) else "retokenisation"
 
 

@@ -121,6 +121,15 @@ def test_break_different_agent_whatever_the_tokens():
     assert (m.links, m.breaks) == (1, _no_breaks(different_agent=1))
 
 
+def test_break_same_prompt():
+    a = _call([1, 2, 3], [4, 5], 0)
+    b = _call([1, 2, 3], [6], 0)  # choice 1 of the same n = 2 request: the same call_index, a sibling
+    assert break_cause(a["transition"], b["transition"]) == "same_prompt"
+    m = merge_calls([a, b], [1.0, -1.0])
+    assert [r.input_ids for r in m.rows] == [[1, 2, 3, 4, 5], [1, 2, 3, 6]]
+    assert m.breaks == _no_breaks(same_prompt=1)
+
+
 def test_collate_rows_weighs_each_token_by_its_call():
     a = _call([1, 2], [3], 0, behaviour=[-0.1], ret=1.0)
     b = _call([1, 2, 3, 4], [5, 6], 1, behaviour=[-0.2, -0.3], ret=1.0)
@@ -155,7 +164,7 @@ def test_merge_counts_add_up_in_the_trainer_state_and_tensorboard():
         "train/prefix_merge_rows": 2.0, "train/prefix_merge_links": 3.0, "train/prefix_merge_tokens": 40.0,
         "train/prefix_merge_tokens_per_call": 90.0, "prefix_merge/breaks_template_rewrite": 0.0,
         "prefix_merge/breaks_retokenisation": 1.0, "prefix_merge/breaks_truncation": 0.0,
-        "prefix_merge/breaks_different_agent": 0.0}
+        "prefix_merge/breaks_different_agent": 0.0, "prefix_merge/breaks_same_prompt": 0.0}
 
 
 def test_the_setting_is_off_by_default_and_reaches_status(tmp_path):
