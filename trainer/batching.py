@@ -108,8 +108,8 @@ def token_budget_batches(samples: list[dict], max_padded_tokens: int, max_size: 
     (a single longer sample gets a micro-batch of its own) and holds at most ``max_size``
     samples. Bounds activation memory by tokens, not by a sample count.
     """
-    return length_budget_batches([len(s["transition"]["prompt_token_ids"]) + len(s["transition"]["completion_token_ids"])
-                                  for s in samples], max_padded_tokens, max_size)
+    lengths = [len(s["transition"]["prompt_token_ids"]) + len(s["transition"]["completion_token_ids"]) for s in samples]
+    return length_budget_batches(lengths, max_padded_tokens, max_size)
 
 
 def length_budget_batches(lengths: list[int], max_padded_tokens: int, max_size: int) -> list[list[int]]:

@@ -660,7 +660,7 @@ class TrainerState:
     self_imitation_samples: int = 0
     #: prefix-merged rows (SPANRL_TRAINER_PREFIX_MERGE, trainer/prefix_merge.py) since start: whether
     #: it is on, rows trained, calls merged into a previous call's row (links), breaks by cause,
-    #: tokens forwarded merged vs what the calls one by one would forward (first PPO epoch)
+    #: tokens forwarded merged vs what the calls one by one would forward (one pass; each PPO epoch repeats it)
     prefix_merge: dict = field(default_factory=lambda: {"enabled": False, "rows": 0, "links": 0,
                                                         "breaks": dict.fromkeys(BREAK_CAUSES, 0),
                                                         "tokens": 0, "tokens_per_call": 0})

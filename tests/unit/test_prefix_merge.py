@@ -240,8 +240,8 @@ def test_math_agent_calls_merge_with_the_real_template(tokenizer):
     inserted = second["prompt_token_ids"][len(first["prompt_token_ids"]) + len(first["completion_token_ids"]):]
     # what the agent added between the calls: "\n", the user turn with the tool result, the generation prompt
     assert tokenizer.decode(inserted) == "\n<|im_start|>user\n<result>391</result><|im_end|>\n<|im_start|>assistant\n"
-    assert m.tokens_per_call == sum(len(c["transition"]["prompt_token_ids"]) + len(c["transition"]["completion_token_ids"])
-                                    for c in calls)
+    assert m.tokens_per_call == sum(len(c["transition"]["prompt_token_ids"])
+                                    + len(c["transition"]["completion_token_ids"]) for c in calls)
     assert (m.tokens, m.tokens_per_call) == (1628, 2848)  # the few-shot prompt forwarded once per row, not per call
 
 
@@ -269,7 +269,8 @@ class GradEngine:
 
     def step(self):
         params = list(self.module.parameters())
-        self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
+        self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                     for p in params]))
         for p in params:
             p.grad = None
 
