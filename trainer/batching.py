@@ -108,14 +108,20 @@ def token_budget_batches(samples: list[dict], max_padded_tokens: int, max_size: 
     (a single longer sample gets a micro-batch of its own) and holds at most ``max_size``
     samples. Bounds activation memory by tokens, not by a sample count.
     """
+    lengths = [len(s["transition"]["prompt_token_ids"]) + len(s["transition"]["completion_token_ids"]) for s in samples]
+    return length_budget_batches(lengths, max_padded_tokens, max_size)
+
+
+def length_budget_batches(lengths: list[int], max_padded_tokens: int, max_size: int) -> list[list[int]]:
+    """:func:`token_budget_batches` of sequences of the given ``lengths`` (e.g. prefix-merged
+    rows, trainer/prefix_merge.py). Example: lengths [3, 5, 2], budget 8, size 4 -> [[1], [0, 2]]."""
     if max_padded_tokens < 1 or max_size < 1:
         raise ValueError("micro-batch limits must be >= 1")
-    length = lambda i: len(samples[i]["transition"]["prompt_token_ids"]) + len(samples[i]["transition"]["completion_token_ids"])  # noqa: E731
-    order = sorted(range(len(samples)), key=length, reverse=True)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     batches: list[list[int]] = []
     for i in order:
         if batches and len(batches[-1]) < max_size and \
-                (len(batches[-1]) + 1) * length(batches[-1][0]) <= max_padded_tokens:
+                (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_padded_tokens:
             batches[-1].append(i)
         else:
             batches.append([i])

@@ -76,8 +76,14 @@ def update_scalars(metrics: Mapping, samples: list[dict], trained_version: int) 
                      ("train/mean_advantage", "mean_advantage"), ("train/tokens_per_s", "tokens_per_s"),
                      ("train/samples", "samples"), ("train/update_s", "update_s"),
                      ("train/mean_return", "mean_return"), ("train/ref_kl", "ref_kl"),
-                     ("train/dropped_zero_variance", "dropped_zero_variance"), ("train/steps", "steps")):
+                     ("train/dropped_zero_variance", "dropped_zero_variance"), ("train/steps", "steps"),
+                     ("train/prefix_merge_rows", "prefix_merge_rows"),
+                     ("train/prefix_merge_links", "prefix_merge_links"),
+                     ("train/prefix_merge_tokens", "prefix_merge_tokens"),
+                     ("train/prefix_merge_tokens_per_call", "prefix_merge_tokens_per_call")):
         put(tag, metrics.get(key))
+    for cause, n in (metrics.get("prefix_merge_breaks") or {}).items():  # prefix_merge on: breaks by cause
+        put(f"prefix_merge/breaks_{cause}", n)
     rewards = [float(s["transition"]["reward"]) for s in samples]
     mean, std = _mean_std(rewards)
     if rewards:

@@ -42,6 +42,7 @@ from spanrl.core import settings as env
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
+from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
 from spanrl.trainer.self_imitation import SelfImitationBuffer, positive_entries
 
 log = logging.getLogger("spanrl.trainer")
@@ -340,7 +341,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  advantage_std_scale: bool = True, drop_zero_variance: bool = False,
                  mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK,
                  negative_advantage_weight: float = 1.0, prefix_tree_advantage: bool = False,
-                 self_imitation: SelfImitationBuffer | None = None) -> dict:
+                 self_imitation: SelfImitationBuffer | None = None, prefix_merge: bool = False) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
@@ -361,6 +362,15 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     added to it (Self-Imitation Learning, Oh et al. 2018); a replayed advantage is scaled by the
     buffer's ``weight`` (SIL's beta^sil). An update with no new sample left
     takes no step and adds nothing.
+    ``prefix_merge``: each mini-batch's calls of one attempt that extend each other are trained
+    as one row (trainer/prefix_merge.py, Agent Lightning v1's trajectory aggregation): every
+    completion token keeps its own call's advantage, behaviour log-prob and ``loss_agg`` weight,
+    so the loss and its gradient are those of the calls one by one (causal model), with fewer
+    tokens forwarded; counted as ``prefix_merge_rows``, ``prefix_merge_links``,
+    ``prefix_merge_breaks`` (by cause), ``prefix_merge_tokens`` / ``prefix_merge_tokens_per_call``
+    and, with ``mini_batches`` > 1, ``prefix_merge_mini_batch_cuts`` (rows more than if the
+    update were one mini-batch). Works with every other option here (merging happens after
+    the advantages, the filters and the replay are settled, inside each mini-batch).
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
     ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
@@ -415,20 +425,40 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         base["replayed"] = len(replay)
         base["replayed_tokens"] = sum(len(s["transition"]["completion_token_ids"]) for s, _, _ in replay)
     minis = losses.mini_batch_indices(keys, mini_batches)
-    plan = []  # per mini-batch: (micro-batch tensors, per-sample weights, completion tokens)
+    per_sample = advantages if per_token is None else per_token
+    stop_ids = eos_token_ids(engine) if prefix_merge else None
+    merged_stats = {"rows": 0, "links": 0, "breaks": dict.fromkeys(BREAK_CAUSES, 0), "tokens": 0, "tokens_per_call": 0}
+    plan = []  # per mini-batch: (micro-batches, their token weights [B, T], per-sample weights, sample indices)
     for mini in minis:
         sub = [samples[i] for i in mini]
-        if micro_batch_tokens:  # pack by padded tokens, longest first
-            groups = batching.token_budget_batches(sub, micro_batch_tokens, micro_batch)
-        else:
-            groups = batching.micro_batches(list(range(len(sub))), micro_batch)
-        per_sample = advantages if per_token is None else per_token
-        chunks = [batching.collate([sub[i] for i in g], pad_token_id, [per_sample[mini[i]] for i in g])
-                  for g in groups]
+        # weights of the mini-batch sum to 1 (token mean, sequence mean or per-rollout mean), per call
         seq_w = losses.sequence_loss_weights(
             [(s["transition"].get("rollout_id", i), s["transition"].get("attempt_id")) for i, s in enumerate(sub)],
             [len(s["transition"]["completion_token_ids"]) for s in sub], loss_agg)
-        chunk_w = [torch.tensor([seq_w[i] for i in g], dtype=torch.float32) for g in groups]
+        if prefix_merge:  # one row per chain of calls; each token keeps its call's advantage and weight
+            merged = merge_calls(sub, [per_sample[i] for i in mini], stop_ids)
+            merged_stats["rows"] += len(merged.rows)
+            for k in ("links", "tokens", "tokens_per_call"):
+                merged_stats[k] += getattr(merged, k)
+            for cause, n in merged.breaks.items():
+                merged_stats["breaks"][cause] += n
+            lengths = [len(r.input_ids) for r in merged.rows]
+        else:
+            lengths = [len(s["transition"]["prompt_token_ids"]) + len(s["transition"]["completion_token_ids"])
+                       for s in sub]
+        if micro_batch_tokens:  # pack by padded tokens, longest first
+            groups = batching.length_budget_batches(lengths, micro_batch_tokens, micro_batch)
+        else:
+            groups = batching.micro_batches(list(range(len(lengths))), micro_batch)
+        chunks, chunk_w = [], []
+        for g in groups:
+            if prefix_merge:
+                b, token_w = collate_rows([merged.rows[j] for j in g], sub, seq_w, pad_token_id)
+            else:
+                b = batching.collate([sub[i] for i in g], pad_token_id, [per_sample[mini[i]] for i in g])
+                token_w = b.completion_mask * torch.tensor([seq_w[i] for i in g], dtype=torch.float32)[:, None]
+            chunks.append(b)
+            chunk_w.append(token_w)
         plan.append((chunks, chunk_w, seq_w, mini))
     n_tokens = sum(b.num_completion_tokens for chunks, _, _, _ in plan for b in chunks)
     device = engine.device
@@ -442,7 +472,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
                 b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
                                                             b.behaviour_logprobs, b.advantages, b.returns)))
-                token_w = b.completion_mask * chunk_w[i].to(device)[:, None]  # [B, T]
+                token_w = chunk_w[i].to(device)  # [B, T]: each completion token's weight in the loss
                 # log-probs only over the trailing window that predicts completion tokens
                 # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
                 K = batching.completion_window(b)
@@ -456,7 +486,6 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
                                    b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
                 token_w = token_w[:, -K:]
-                # weights of the mini-batch sum to 1 (token mean, sequence mean or per-rollout mean)
                 loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
                                             clip_eps=clip_eps, kl_coef=kl_coef,
                                             ref_logp=ref_logp, token_weights=token_w, ratio_cap=ratio_cap)
@@ -504,7 +533,33 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         "tokens": total_tokens,
         "update_s": dt,
         "tokens_per_s": total_tokens * ppo_epochs / dt,
+        **(merge_metrics(merged_stats, samples, per_sample, stop_ids, len(plan)) if prefix_merge else {}),
     }
+
+
+def merge_metrics(stats: dict, samples: list[dict], per_sample: list, stop_ids, n_minis: int) -> dict:
+    """The update's prefix-merge counts (``train_update``'s ``prefix_merge``) from the summed
+    per-mini-batch ``stats``; with more than one mini-batch also ``prefix_merge_mini_batch_cuts``,
+    the rows minus those of the update's calls merged as one mini-batch (how many chains the
+    content-order split cut)."""
+    out = {"prefix_merge_rows": stats["rows"], "prefix_merge_links": stats["links"],
+           "prefix_merge_breaks": dict(stats["breaks"]), "prefix_merge_tokens": stats["tokens"],
+           "prefix_merge_tokens_per_call": stats["tokens_per_call"]}
+    if n_minis > 1:
+        whole = merge_calls(samples, per_sample, stop_ids)
+        out["prefix_merge_mini_batch_cuts"] = stats["rows"] - len(whole.rows)
+    return out
+
+
+def eos_token_ids(model) -> set[int] | None:
+    """The model's end-of-sequence token ids (its config's ``eos_token_id``, an int or a list;
+    ``model`` an engine, a peft model or an HF model), for telling a cut completion
+    (``prefix_merge.truncated``); None when the config has none."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return None
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
 def _grad_norm(engine) -> float | None:
@@ -600,6 +655,24 @@ class TrainerState:
                                                      "lag_histogram": {}, "refused": 0, "kept": 0})
     #: samples in the self-imitation buffer (SPANRL_TRAINER_SELF_IMITATION_UPDATES > 0; else 0)
     self_imitation_samples: int = 0
+    #: prefix-merged rows (SPANRL_TRAINER_PREFIX_MERGE, trainer/prefix_merge.py) since start: whether
+    #: it is on, rows trained, calls merged into a previous call's row (links), breaks by cause,
+    #: tokens forwarded merged vs what the calls one by one would forward (one pass; each PPO epoch repeats it)
+    prefix_merge: dict = field(default_factory=lambda: {"enabled": False, "rows": 0, "links": 0,
+                                                        "breaks": dict.fromkeys(BREAK_CAUSES, 0),
+                                                        "tokens": 0, "tokens_per_call": 0})
+
+
+def add_merge_counts(acc: dict, metrics: dict) -> None:
+    """Add an update's prefix-merge counts (``train_update``'s ``prefix_merge_*`` metrics; none
+    when it was off) to ``acc`` (``TrainerState.prefix_merge``).
+    Example: acc rows 3, metrics prefix_merge_rows 2 -> rows 5."""
+    if "prefix_merge_rows" not in metrics:
+        return
+    for k in ("rows", "links", "tokens", "tokens_per_call"):
+        acc[k] += metrics[f"prefix_merge_{k}"]
+    for cause, n in metrics["prefix_merge_breaks"].items():
+        acc["breaks"][cause] = acc["breaks"].get(cause, 0) + n
 
 
 async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]:
@@ -675,6 +748,7 @@ class Trainer:
         #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
         self.adapter = lora.lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
         self.state.batching = cfg.batching
+        self.state.prefix_merge["enabled"] = cfg.prefix_merge
         self.ref_model = None  # the reference policy (base weights) when kl_coef > 0: a model or lora.AdapterDisabled
         self._train_until: dict[int, int] = {}  # barrier batching: partition -> next offset to train up to
         self.state.staleness.update(max_staleness=cfg.max_staleness, policy=cfg.stale_policy)
@@ -1082,6 +1156,7 @@ class Trainer:
                 drop_zero_variance=self.cfg.drop_zero_variance,
                 negative_advantage_weight=self.cfg.negative_advantage_weight,
                 prefix_tree_advantage=self.cfg.prefix_tree_advantage, self_imitation=self.self_imitation,
+                prefix_merge=self.cfg.prefix_merge,
                 mini_batches=self.cfg.mini_batches, ref_model=self.ref_model, logprob_chunk=self.cfg.logprob_chunk)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)
@@ -1102,6 +1177,7 @@ class Trainer:
         self.state.updates += 1
         if self.self_imitation is not None:  # what the buffer holds now (in memory: not in checkpoints)
             self.state.self_imitation_samples = len(self.self_imitation)
+        add_merge_counts(self.state.prefix_merge, metrics)
         self.state.last_metrics = metrics
         try:  # x axis: the optimizer step (continues across restarts: it is in the manifest)
             self.tracker.log(tracking.update_scalars(metrics, samples, trained_version), self.state.step)

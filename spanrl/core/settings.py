@@ -471,6 +471,11 @@ class TrainerConfig(Section):
     self_imitation_weight: float = setting(1.0, "scale of a replayed sample's advantage (Self-Imitation Learning's "
                                            "beta^sil): 1 = trained as its update trained it; read only when "
                                            "self_imitation_updates > 0", readers="trainer")
+    prefix_merge: bool = setting(False, "train the calls of one attempt whose prompt starts with the previous call's "
+                                 "prompt + completion as one row, each token with its own call's advantage, "
+                                 "behaviour log-prob and loss weight (trainer/prefix_merge.py, Agent Lightning's "
+                                 "trajectory aggregation): the same loss with fewer tokens forwarded; off until "
+                                 "proven exact end to end", readers="trainer")
     kl_coef: float = setting(0.0, "weight of the k3 KL to the reference policy (a frozen copy of the base weights); "
                              "0: off, no reference model is loaded", readers="trainer")
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "
