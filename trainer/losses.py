@@ -146,6 +146,28 @@ def ppo_clip_loss(
     return masked_mean(per_token, completion_mask, normaliser)
 
 
+def self_imitation_loss(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    token_weights: torch.Tensor,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Self-Imitation Learning's policy loss for replayed samples, unclipped:
+    ``sum(-log pi(a|s) * max(A, 0) * token_weights)`` (Oh et al. 2018, ICML, eq. 2, with the
+    sample's replayed advantage as ``(R - V)+``), plus ``kl_coef * k3(pi || pi_ref)`` per token
+    as in :func:`ppo_clip_loss`. Its gradient per token is ``-max(A, 0) * w``, whatever the
+    ratio to the behaviour policy: no clip ends the push (the PPO clip stops a positive
+    advantage's gradient once the ratio passes ``1 + clip_eps``). All ``[B, T]``; a scalar.
+    Example: logp [-1, -2], A [0.5, -0.5], weights [0.25, 0.25] -> 0.25 * 0.5 * 1 = 0.125."""
+    per_token = -logp * advantages.clamp(min=0.0)
+    if kl_coef and ref_logp is not None:
+        log_ref_ratio = ref_logp - logp
+        per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+    return masked_sum(per_token, completion_mask * token_weights)
+
+
 def dual_clip(per_token: torch.Tensor, advantages: torch.Tensor, ratio_cap: float) -> torch.Tensor:
     """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 5): for a negative advantage the
     clipped objective ``min(r A, clip(r) A)`` is unbounded as the ratio r grows (a token the

@@ -23,6 +23,11 @@ from __future__ import annotations
 
 from collections import deque
 
+#: how replayed samples are trained (``SPANRL_TRAINER_SELF_IMITATION_LOSS``): ``clipped``, the
+#: update's PPO-clipped loss against their own behaviour log-probs; ``sil``, SIL's own unclipped
+#: ``-log pi * A+`` (losses.self_imitation_loss), in micro-batches of their own
+REPLAY_LOSSES = ("clipped", "sil")
+
 #: one replayed sample: the sample record, the advantage its update trained it with, and with
 #: prefix-tree advantages the per-completion-token values it was trained with (else None)
 Entry = tuple[dict, float, "list[float] | None"]
@@ -49,15 +54,19 @@ class SelfImitationBuffer:
     update with no positive sample still takes a slot, so "the last N updates" counts updates).
     ``weight`` (SIL's ``beta^sil``, Oh et al. 2018 eq. 3) scales a replayed entry's advantage
     when it is trained again (:meth:`replay_advantage`); 1: as its update trained it.
-    Raises ValueError for ``updates`` < 1 or ``weight`` <= 0."""
+    ``loss`` (one of :data:`REPLAY_LOSSES`): the loss the replayed entries are trained under.
+    Raises ValueError for ``updates`` < 1, ``weight`` <= 0 or an unknown ``loss``."""
 
-    def __init__(self, updates: int, weight: float = 1.0):
+    def __init__(self, updates: int, weight: float = 1.0, loss: str = "clipped"):
         if updates < 1:
             raise ValueError(f"a self-imitation buffer holds >= 1 update, got {updates}")
         if not weight > 0:
             raise ValueError(f"a self-imitation weight is > 0, got {weight}")
+        if loss not in REPLAY_LOSSES:
+            raise ValueError(f"unknown self-imitation loss {loss!r}; known: {', '.join(REPLAY_LOSSES)}")
         self.updates = updates
         self.weight = float(weight)
+        self.loss = loss
         self._per_update: deque[list[Entry]] = deque(maxlen=updates)
 
     def add(self, entries: list[Entry]) -> None:

@@ -43,7 +43,7 @@ from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
-from spanrl.trainer.self_imitation import SelfImitationBuffer, positive_entries
+from spanrl.trainer.self_imitation import REPLAY_LOSSES, SelfImitationBuffer, positive_entries
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -360,7 +360,9 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     are trained again beside the new samples, against their own behaviour log-probs (counted as
     ``replayed``, not in ``samples``); afterwards this update's positive-advantage samples are
     added to it (Self-Imitation Learning, Oh et al. 2018); a replayed advantage is scaled by the
-    buffer's ``weight`` (SIL's beta^sil). An update with no new sample left
+    buffer's ``weight`` (SIL's beta^sil); with the buffer's ``loss`` "sil" they are
+    micro-batched apart from the new samples and trained under SIL's unclipped loss
+    (:func:`losses.self_imitation_loss`) instead of the PPO clip. An update with no new sample left
     takes no step and adds nothing.
     ``prefix_merge``: each mini-batch's calls of one attempt that extend each other are trained
     as one row (trainer/prefix_merge.py, Agent Lightning v1's trajectory aggregation): every
@@ -424,6 +426,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 per_token.append(self_imitation.replay_advantage(entry))
         base["replayed"] = len(replay)
         base["replayed_tokens"] = sum(len(s["transition"]["completion_token_ids"]) for s, _, _ in replay)
+    sil_replay = self_imitation is not None and self_imitation.loss == "sil" and len(samples) > n_new
     minis = losses.mini_batch_indices(keys, mini_batches)
     per_sample = advantages if per_token is None else per_token
     stop_ids = eos_token_ids(engine) if prefix_merge else None
@@ -446,10 +449,20 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         else:
             lengths = [len(s["transition"]["prompt_token_ids"]) + len(s["transition"]["completion_token_ids"])
                        for s in sub]
-        if micro_batch_tokens:  # pack by padded tokens, longest first
-            groups = batching.length_budget_batches(lengths, micro_batch_tokens, micro_batch)
-        else:
-            groups = batching.micro_batches(list(range(len(lengths))), micro_batch)
+        units = list(range(len(lengths)))  # rows (prefix_merge) or samples of the mini-batch
+        parts = [units]
+        if sil_replay:  # replayed samples in micro-batches of their own: they take SIL's loss
+            replayed = [mini[(merged.rows[u].samples[0] if prefix_merge else u)] >= n_new for u in units]
+            parts = [[u for u in units if not replayed[u]], [u for u in units if replayed[u]]]
+        groups, sil_chunks = [], []
+        for k, part in enumerate(parts):
+            if micro_batch_tokens:  # pack by padded tokens, longest first
+                part_groups = batching.length_budget_batches([lengths[u] for u in part], micro_batch_tokens,
+                                                             micro_batch) if part else []
+            else:
+                part_groups = batching.micro_batches(list(range(len(part))), micro_batch)
+            groups += [[part[j] for j in g] for g in part_groups]
+            sil_chunks += [k == 1] * len(part_groups)
         chunks, chunk_w = [], []
         for g in groups:
             if prefix_merge:
@@ -459,15 +472,15 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 token_w = b.completion_mask * torch.tensor([seq_w[i] for i in g], dtype=torch.float32)[:, None]
             chunks.append(b)
             chunk_w.append(token_w)
-        plan.append((chunks, chunk_w, seq_w, mini))
-    n_tokens = sum(b.num_completion_tokens for chunks, _, _, _ in plan for b in chunks)
+        plan.append((chunks, chunk_w, seq_w, mini, sil_chunks))
+    n_tokens = sum(b.num_completion_tokens for chunks, *_ in plan for b in chunks)
     device = engine.device
     engine.train()
     stats = {}
     steps = 0
     for epoch in range(ppo_epochs):
         epoch_stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0, **({"ref_kl": 0.0} if use_ref else {})}
-        for chunks, chunk_w, _, _ in plan:
+        for chunks, chunk_w, _, _, sil_chunks in plan:
             for i, b in enumerate(chunks):
                 engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
                 b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
@@ -486,9 +499,13 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
                                    b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
                 token_w = token_w[:, -K:]
-                loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
-                                            clip_eps=clip_eps, kl_coef=kl_coef,
-                                            ref_logp=ref_logp, token_weights=token_w, ratio_cap=ratio_cap)
+                if sil_chunks[i]:  # replayed samples under SIL's unclipped loss
+                    loss = losses.self_imitation_loss(logp, b.advantages, b.completion_mask, token_w,
+                                                      kl_coef=kl_coef, ref_logp=ref_logp)
+                else:
+                    loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
+                                                clip_eps=clip_eps, kl_coef=kl_coef,
+                                                ref_logp=ref_logp, token_weights=token_w, ratio_cap=ratio_cap)
                 engine.backward(loss, scale_wrt_gas=False)
                 with torch.no_grad():
                     w = b.num_completion_tokens / n_tokens
@@ -510,12 +527,12 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     if self_imitation is not None:
         self_imitation.add(positives)
     dt = time.perf_counter() - t0
-    total_tokens = sum(b.num_tokens for chunks, _, _, _ in plan for b in chunks)
+    total_tokens = sum(b.num_tokens for chunks, *_ in plan for b in chunks)
     mean_adv = sum(advantages) / len(advantages)
     # the advantage as the loss weighs it (token_mean: the token-weighted mean), over the update
     token_sums = ([sum(row) for row in per_token] if per_token is not None else
                   [a * len(s["transition"]["completion_token_ids"]) for a, s in zip(advantages, samples)])
-    weighted = sum(w * token_sums[mini[j]] for _, _, seq_w, mini in plan for j, w in enumerate(seq_w)) / len(plan)
+    weighted = sum(w * token_sums[mini[j]] for _, _, seq_w, mini, _ in plan for j, w in enumerate(seq_w)) / len(plan)
     return {
         **base,
         **stats,
@@ -742,8 +759,11 @@ class Trainer:
             raise ValueError(f"self_imitation_updates must be >= 0, got {cfg.self_imitation_updates}")
         if not cfg.self_imitation_weight > 0:
             raise ValueError(f"self_imitation_weight must be > 0, got {cfg.self_imitation_weight}")
+        if cfg.self_imitation_loss not in REPLAY_LOSSES:
+            raise ValueError(f"unknown self_imitation_loss {cfg.self_imitation_loss!r}; known: {', '.join(REPLAY_LOSSES)}")
         #: the positive-advantage samples of the last updates, trained again (None: off)
-        self.self_imitation = (SelfImitationBuffer(cfg.self_imitation_updates, cfg.self_imitation_weight)
+        self.self_imitation = (SelfImitationBuffer(cfg.self_imitation_updates, cfg.self_imitation_weight,
+                                                   cfg.self_imitation_loss)
                                if cfg.self_imitation_updates else None)
         #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
         self.adapter = lora.lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)

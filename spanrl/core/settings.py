@@ -471,6 +471,10 @@ class TrainerConfig(Section):
     self_imitation_weight: float = setting(1.0, "scale of a replayed sample's advantage (Self-Imitation Learning's "
                                            "beta^sil): 1 = trained as its update trained it; read only when "
                                            "self_imitation_updates > 0", readers="trainer")
+    self_imitation_loss: str = setting("clipped", "how replayed samples are trained: clipped (the update's PPO-clipped "
+                                       "loss against their own behaviour log-probs) | sil (Self-Imitation Learning's "
+                                       "unclipped -log pi * A+, losses.self_imitation_loss: no clip ends the push); "
+                                       "read only when self_imitation_updates > 0", readers="trainer")
     prefix_merge: bool = setting(False, "train the calls of one attempt whose prompt starts with the previous call's "
                                  "prompt + completion as one row, each token with its own call's advantage, "
                                  "behaviour log-prob and loss weight (trainer/prefix_merge.py, Agent Lightning's "

@@ -382,3 +382,53 @@ def test_self_imitation_weight_scales_replayed_advantages():
         train_update(e, copy.deepcopy(batch), advantage_std_scale=False, self_imitation=b)
         after[weight] = _params(e)
     assert float((after[1.0] - after[4.0]).abs().max()) > 0.0
+
+
+def test_self_imitation_loss_hand_computed():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    adv = torch.tensor([[0.5, -0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w = torch.full((1, 3), 0.25)
+    loss = losses.self_imitation_loss(logp, adv, mask, w)
+    assert float(loss) == pytest.approx(0.25 * 0.5 * 1.0)  # the negative and the masked tokens add nothing
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.125, 0.0, 0.0])  # -A+ * w, whatever the ratio
+    # with the k3 term to a reference: + kl_coef * (e^(ref - logp) - (ref - logp) - 1) * w per token
+    ref = torch.tensor([[-1.5, -2.0, -3.0]])
+    k3 = math.exp(-0.5) + 0.5 - 1.0
+    got = losses.self_imitation_loss(logp.detach(), adv, mask, w, kl_coef=0.1, ref_logp=ref)
+    assert float(got) == pytest.approx(0.125 + 0.1 * k3 * 0.25)
+    with pytest.raises(ValueError):
+        SelfImitationBuffer(1, loss="unclipped")
+
+
+def test_sil_loss_pushes_replayed_samples_past_the_clip():
+    """Replayed positives whose ratio to their behaviour log-probs is far above 1 + clip_eps:
+    under the update's PPO clip they give no gradient (the weights do not move when the new
+    samples have none of their own either); under SIL's loss they are pushed up all the same."""
+    batch = [s for s in _batch() if s["group_std"] > 0]
+    negatives = copy.deepcopy([s for s in batch if s["transition"]["episode_return"] == 0.0])
+    first = build_engine(tiny_model(), lr=1e-2, micro_batch=4)
+    seed = SelfImitationBuffer(1)
+    train_update(first, copy.deepcopy(batch), advantage_std_scale=False, self_imitation=seed)
+    entries = []
+    for s, a, row in seed.entries():
+        s = copy.deepcopy(s)
+        s["transition"]["behaviour_logprobs"] = [-30.0] * len(s["transition"]["completion_token_ids"])
+        entries.append((s, a, row))
+    moved, gain = {}, {}
+    for loss in ("clipped", "sil"):
+        model = tiny_model()
+        model.load_state_dict(first.module.state_dict())
+        e = build_engine(model, lr=1e-2, micro_batch=4)
+        before_p = _params(e)
+        before_lp = sum(_completion_logprob(e, s) for s, _, _ in entries)
+        b = SelfImitationBuffer(1, loss=loss)
+        b.add(entries)
+        m = train_update(e, copy.deepcopy(negatives), advantage_std_scale=False, negative_advantage_weight=0.0,
+                         self_imitation=b)
+        assert (m["samples"], m["replayed"]) == (4, 4)
+        moved[loss] = float((_params(e) - before_p).abs().max())
+        gain[loss] = sum(_completion_logprob(e, s) for s, _, _ in entries) - before_lp
+    assert moved["clipped"] == 0.0
+    assert moved["sil"] > 0.0 and gain["sil"] > 0.0

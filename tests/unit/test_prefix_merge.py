@@ -305,6 +305,7 @@ OPTIONS = {
     "prefix_tree_mini_batches_kl": {"prefix_tree_advantage": True, "mini_batches": 2, "kl_coef": 0.1,
                                     "ratio_cap": 3.0, "negative_advantage_weight": 0.5},
     "self_imitation_drop_zero_variance_epochs": {"drop_zero_variance": True, "ppo_epochs": 2},
+    "self_imitation_sil_loss": {"drop_zero_variance": True},
 }
 
 
@@ -338,14 +339,14 @@ def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
     got = {}
     for merge in (False, True):
         if replayed:
-            options["self_imitation"] = SelfImitationBuffer(2)
+            options["self_imitation"] = SelfImitationBuffer(2, loss="sil" if name.endswith("sil_loss") else "clipped")
             options["self_imitation"].add(positive_entries(replayed, [c["advantage"] for c in replayed]))
         engine = GradEngine(tiny_policy())
         metrics = train.train_update(engine, copy.deepcopy(calls), prefix_merge=merge, **options)
         got[merge] = (metrics, engine.grads)
     (per_call, g_call), (merged, g_merged) = got[False], got[True]
     assert len(g_call) == len(g_merged) == (1 if name in ("token_mean", "sequence_mean", "per_rollout_mean",
-                                                          "full_logits_dr_grpo") else 2)
+                                                          "full_logits_dr_grpo", "self_imitation_sil_loss") else 2)
     for a, b in zip(g_call, g_merged):
         assert float(a.abs().max()) > 0
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
