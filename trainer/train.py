@@ -620,6 +620,21 @@ def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> 
     return checkpoint.write_manifest(out_dir, **manifest_fields)
 
 
+def manifest_metrics(metrics: dict) -> dict:
+    """What a checkpoint manifest carries of the last update's metrics (``train_update``'s):
+    its numbers as they are, and a dict of numbers (``prefix_merge_breaks``, by cause) as
+    ``<key>_<name>`` entries; anything else (strings) is left out.
+    Example: {"loss": 0.1, "loss_agg": "token_mean", "prefix_merge_breaks": {"truncation": 2}}
+    -> {"loss": 0.1, "prefix_merge_breaks_truncation": 2}."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)):
+            out[k] = v
+        elif isinstance(v, dict):
+            out.update({f"{k}_{name}": n for name, n in v.items() if isinstance(n, (int, float))})
+    return out
+
+
 def base_model_id(base_dir: Path) -> str:
     """The base model's id: the manifest's ``base_model`` for a checkpoint, else what the
     conversion wrote beside the weights (``spanrl_base.json``, spanrl/core/model.py), else the
@@ -873,7 +888,7 @@ class Trainer:
         out = self.settings.cache_dir / "trainer" / self.run / f"{version:06d}"
         uri = checkpoint.checkpoint_uri(self.settings.checkpoint_bucket, self.run, version)
         t0 = time.perf_counter()
-        metrics = {k: v for k, v in self.state.last_metrics.items() if isinstance(v, (int, float))}
+        metrics = manifest_metrics(self.state.last_metrics)
         trained = dict(self.state.trained_offsets)
         consumed = checkpoint.consumed_ranges(self._consumed_from, trained)
         manifest = await asyncio.to_thread(

@@ -403,3 +403,15 @@ def test_the_trainer_counts_merges_in_status_and_the_update_line(tokenizer, monk
                                           "tokens_per_call": 2 * 2848, "breaks": _no_breaks(retokenisation=2)}
     line = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines() if '"update"' in x][-1]
     assert (line["prefix_merge_rows"], line["prefix_merge_breaks"]) == (5, _no_breaks(retokenisation=1))
+    # the manifest of the next checkpoint carries the last update's counts, breaks by cause
+    carried = train.manifest_metrics(t.state.last_metrics)
+    assert (carried["prefix_merge_rows"], carried["prefix_merge_links"]) == (5, 4)
+    assert {k: v for k, v in carried.items() if k.startswith("prefix_merge_breaks_")} == {
+        f"prefix_merge_breaks_{cause}": n for cause, n in _no_breaks(retokenisation=1).items()}
+    assert "loss_agg" not in carried and carried["loss"] == pytest.approx(line["loss"], abs=1e-6)  # the line rounds
+
+
+def test_manifest_metrics_hand_computed():
+    assert train.manifest_metrics({"loss": 0.1, "steps": 2, "loss_agg": "token_mean",
+                                   "prefix_merge_breaks": {"truncation": 2, "same_prompt": 0}}) == {
+        "loss": 0.1, "steps": 2, "prefix_merge_breaks_truncation": 2, "prefix_merge_breaks_same_prompt": 0}
