@@ -138,9 +138,7 @@ def ppo_clip_loss(
     if ratio_cap is not None:
         per_token = dual_clip(per_token, advantages, ratio_cap)
     if kl_coef and ref_logp is not None:
-        # GRPO eq. 4: unbiased k3 estimator of KL(pi_theta || pi_ref)
-        log_ref_ratio = ref_logp - logp
-        per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+        per_token = per_token + kl_coef * k3_reference_kl(logp, ref_logp)
     if token_weights is not None:
         return masked_sum(per_token, completion_mask * token_weights)
     return masked_mean(per_token, completion_mask, normaliser)
@@ -163,8 +161,7 @@ def self_imitation_loss(
     Example: logp [-1, -2], A [0.5, -0.5], weights [0.25, 0.25] -> 0.25 * 0.5 * 1 = 0.125."""
     per_token = -logp * advantages.clamp(min=0.0)
     if kl_coef and ref_logp is not None:
-        log_ref_ratio = ref_logp - logp
-        per_token = per_token + kl_coef * (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0)
+        per_token = per_token + kl_coef * k3_reference_kl(logp, ref_logp)
     return masked_sum(per_token, completion_mask * token_weights)
 
 
@@ -224,8 +221,14 @@ def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, completion_mask: to
     ``exp(ref - logp) - (ref - logp) - 1`` (>= 0; DeepSeekMath, arXiv 2402.03300 eq. 4, the
     term :func:`ppo_clip_loss` adds with ``kl_coef``). ``[B, T]`` tensors; a scalar.
     Example: logp = log 0.5, ref = log 0.25 per token -> 0.5 - log 0.5 - 1 = 0.1931."""
+    return masked_mean(k3_reference_kl(logp, ref_logp), completion_mask)
+
+
+def k3_reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per token, the unbiased k3 estimator of KL(pi_theta || pi_ref) on the sampled tokens,
+    ``exp(ref - logp) - (ref - logp) - 1`` (GRPO, DeepSeekMath arXiv 2402.03300 eq. 4); ``[B, T]``."""
     log_ratio = ref_logp - logp
-    return masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, completion_mask)
+    return torch.exp(log_ratio) - log_ratio - 1.0
 
 
 def approx_kl(logp: torch.Tensor, behaviour_logp: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:

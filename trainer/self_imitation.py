@@ -28,6 +28,13 @@ from collections import deque
 #: ``-log pi * A+`` (losses.self_imitation_loss), in micro-batches of their own
 REPLAY_LOSSES = ("clipped", "sil")
 
+def check_replay_loss(loss: str) -> str:
+    """``loss`` if it is one of :data:`REPLAY_LOSSES`; else ValueError naming the known ones."""
+    if loss not in REPLAY_LOSSES:
+        raise ValueError(f"unknown self-imitation loss {loss!r}; known: {', '.join(REPLAY_LOSSES)}")
+    return loss
+
+
 #: one replayed sample: the sample record, the advantage its update trained it with, and with
 #: prefix-tree advantages the per-completion-token values it was trained with (else None)
 Entry = tuple[dict, float, "list[float] | None"]
@@ -62,8 +69,7 @@ class SelfImitationBuffer:
             raise ValueError(f"a self-imitation buffer holds >= 1 update, got {updates}")
         if not weight > 0:
             raise ValueError(f"a self-imitation weight is > 0, got {weight}")
-        if loss not in REPLAY_LOSSES:
-            raise ValueError(f"unknown self-imitation loss {loss!r}; known: {', '.join(REPLAY_LOSSES)}")
+        check_replay_loss(loss)
         self.updates = updates
         self.weight = float(weight)
         self.loss = loss

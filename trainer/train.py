@@ -43,7 +43,7 @@ from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
-from spanrl.trainer.self_imitation import REPLAY_LOSSES, SelfImitationBuffer, positive_entries
+from spanrl.trainer.self_imitation import SelfImitationBuffer, check_replay_loss, positive_entries
 
 log = logging.getLogger("spanrl.trainer")
 
@@ -774,8 +774,7 @@ class Trainer:
             raise ValueError(f"self_imitation_updates must be >= 0, got {cfg.self_imitation_updates}")
         if not cfg.self_imitation_weight > 0:
             raise ValueError(f"self_imitation_weight must be > 0, got {cfg.self_imitation_weight}")
-        if cfg.self_imitation_loss not in REPLAY_LOSSES:
-            raise ValueError(f"unknown self_imitation_loss {cfg.self_imitation_loss!r}; known: {', '.join(REPLAY_LOSSES)}")
+        check_replay_loss(cfg.self_imitation_loss)  # also when the buffer is off: a misspelt value is an error
         #: the positive-advantage samples of the last updates, trained again (None: off)
         self.self_imitation = (SelfImitationBuffer(cfg.self_imitation_updates, cfg.self_imitation_weight,
                                                    cfg.self_imitation_loss)
