@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -41,7 +42,7 @@ import torch
 from spanrl.core import settings as env
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
-from spanrl.trainer import batching, checkpoint, lora, losses, staleness, tracking
+from spanrl.trainer import batching, checkpoint, lora, losses, ranks, staleness, tracking
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
 from spanrl.trainer.self_imitation import SelfImitationBuffer, check_replay_loss, positive_entries
 
@@ -111,10 +112,9 @@ def init_distributed() -> None:
     RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torch's launchers set them (defaults:
     one rank, 127.0.0.1, a free port). Rank 0 binds the store's socket itself and hands it to
     ``TCPStore(master_listen_fd=...)``; other ranks connect to MASTER_ADDR:MASTER_PORT."""
-    import datetime
-
     import deepspeed
 
+    global _STORE
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     # torch's launcher variables, in the process environment (DeepSpeed reads them there too)
@@ -124,7 +124,7 @@ def init_distributed() -> None:
     env.setdefault_env("TORCH_EXTENSIONS_DIR", str(get_settings().cache_dir / "torch_extensions"))
     host = rendezvous_bind_address(env.env_value("MASTER_ADDR"))
     env.set_env("MASTER_ADDR", env.env_value("MASTER_ADDR") or host)
-    timeout = datetime.timedelta(minutes=10)
+    timeout = ranks.RENDEZVOUS_TIMEOUT
     if rank == 0:
         sock = _listening_socket(host, int(env.env_value("MASTER_PORT", "0")))
         env.set_env("MASTER_PORT", str(sock.getsockname()[1]))
@@ -138,6 +138,25 @@ def init_distributed() -> None:
         env.setdefault_env("GLOO_SOCKET_IFNAME", "lo")  # gloo's own listeners on loopback too
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
+    _STORE = store
+
+
+#: the rendezvous store of this process's group (rank 0 serves it): trainer/ranks.py's
+#: CommandChannel runs over it
+_STORE = None
+
+
+def launched_rank_and_world() -> tuple[int, int]:
+    """``(RANK, WORLD_SIZE)`` as a launcher set them for this process (before the process group
+    exists); ``(0, 1)`` when started alone."""
+    return int(env.env_value("RANK", "0")), int(env.env_value("WORLD_SIZE", "1"))
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of the initialised process group; ``(0, 1)`` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float,
@@ -475,17 +494,21 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         plan.append((chunks, chunk_w, seq_w, mini, sil_chunks))
     n_tokens = sum(b.num_completion_tokens for chunks, *_ in plan for b in chunks)
     device = engine.device
+    rank, world = rank_and_world()  # N ranks: each trains its share of every mini-batch (trainer/ranks.py)
     engine.train()
     stats = {}
     steps = 0
     for epoch in range(ppo_epochs):
         epoch_stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0, **({"ref_kl": 0.0} if use_ref else {})}
         for chunks, chunk_w, _, _, sil_chunks in plan:
-            for i, b in enumerate(chunks):
-                engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+            share = ranks.rank_share([b.input_ids.numel() for b in chunks], world, rank)
+            for j, (i, padding) in enumerate(share):
+                engine.set_gradient_accumulation_boundary(j == len(share) - 1)
+                b = chunks[i]
                 b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
                                                             b.behaviour_logprobs, b.advantages, b.returns)))
-                token_w = chunk_w[i].to(device)  # [B, T]: each completion token's weight in the loss
+                # [B, T]: each completion token's weight in the loss (0: a rank's padding micro-batch)
+                token_w = chunk_w[i].to(device) * (0.0 if padding else 1.0)
                 # log-probs only over the trailing window that predicts completion tokens
                 # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
                 K = batching.completion_window(b)
@@ -506,7 +529,11 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                     loss = losses.ppo_clip_loss(logp, b.behaviour_logprobs, b.advantages, b.completion_mask,
                                                 clip_eps=clip_eps, kl_coef=kl_coef,
                                                 ref_logp=ref_logp, token_weights=token_w, ratio_cap=ratio_cap)
-                engine.backward(loss, scale_wrt_gas=False)
+                # DeepSpeed averages the ranks' gradients: times the world size, their sum
+                engine.backward(loss * world if world > 1 else loss, scale_wrt_gas=False)
+                if padding:
+                    del logp, loss, ref_logp
+                    continue
                 with torch.no_grad():
                     w = b.num_completion_tokens / n_tokens
                     epoch_stats["loss"] += float(loss) / len(plan)
@@ -521,6 +548,11 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             steps += 1
             if epoch == 0 and "grad_norm" not in epoch_stats:
                 epoch_stats["grad_norm"] = _grad_norm(engine)  # of the first mini-batch's step
+        if world > 1:  # each rank summed its share; also the update's last collective (every rank stepped)
+            names = [k for k in epoch_stats if k != "grad_norm"]
+            summed = torch.tensor([epoch_stats[k] for k in names], dtype=torch.float64)
+            torch.distributed.all_reduce(summed)
+            epoch_stats.update(zip(names, summed.tolist()))
         if epoch == 0:
             stats = epoch_stats  # metrics of the first epoch: ratio vs. the behaviour policy
     engine.set_gradient_accumulation_boundary(None)
@@ -789,8 +821,14 @@ class Trainer:
         # what the next checkpoint's manifest reports (since its parent)
         self._since_parent = {"lag_histogram": {}, "refused": 0, "kept": 0}
         self._dead_producer = None
+        #: this process's rank and the group's size (``SPANRL_TRAINER_RANKS``: DeepSpeed's launcher sets them)
+        self.rank, self.world = launched_rank_and_world()
+        #: rank 0 -> the other ranks: what to load and train (trainer/ranks.py); None with one rank
+        self.channel: ranks.CommandChannel | None = None
 
     def emit(self, record: dict) -> None:
+        if self.rank:  # rank 0 speaks for the group (its log file, its stdout)
+            return
         line = json.dumps(record, sort_keys=True)
         print(line, flush=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -1055,9 +1093,20 @@ class Trainer:
         self.state.train_until = {f"{self.cfg.samples_topic}:{p}": o for p, o in sorted(self._train_until.items())}
 
     async def _serve(self) -> None:
-        from transformers import AutoTokenizer
-
         from spanrl.schemas.codec import SchemaError, decode
+
+        if self.world > 1:  # the group's rendezvous (rank 0 serves its store) before anything else
+            await asyncio.to_thread(init_distributed)
+            self.channel = ranks.CommandChannel(_STORE, readers=self.world - 1)
+        try:
+            await self._serve_samples(decode, SchemaError)
+        finally:
+            if self.channel is not None:
+                with contextlib.suppress(Exception):  # a follower that is gone needs no stop
+                    self.channel.send({"op": "stop"})
+
+    async def _serve_samples(self, decode, SchemaError) -> None:
+        from transformers import AutoTokenizer
 
         await self._retry("resume", self.resume)
         await asyncio.to_thread(self.load_policy)
@@ -1125,6 +1174,8 @@ class Trainer:
         when the checkpoint of ``model_dir`` does not fit the settings: an adapter of another
         base, rank, alpha or target modules, an adapter without ``lora_rank``, full weights with
         it, or a ``base_dir`` that is itself a checkpoint."""
+        if self.channel is not None:  # every rank builds the same engine (deepspeed.initialize is collective)
+            self.channel.send({"op": "load", "model_dir": str(self.model_dir)})
         manifest = None if self.model_dir == self.base_dir else lora.manifest_of(self.model_dir)
         if lora.is_adapter(manifest) and self.adapter is None:
             raise ValueError(f"{self.model_dir} is a LoRA adapter checkpoint: set SPANRL_TRAINER_LORA_RANK "
@@ -1179,8 +1230,8 @@ class Trainer:
         samples, lags, kept = await self._bound_staleness(head)
         trained_version = self.state.version
         if samples:
-            metrics = await asyncio.to_thread(
-                train_update, self.engine, samples, clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
+            options = dict(
+                clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
                 micro_batch_tokens=self.cfg.micro_batch_tokens,
                 ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
                 singleton_advantage=self.cfg.singleton_advantage,
@@ -1189,9 +1240,13 @@ class Trainer:
                 advantage_std_scale=self.cfg.advantage_std_scale,
                 drop_zero_variance=self.cfg.drop_zero_variance,
                 negative_advantage_weight=self.cfg.negative_advantage_weight,
-                prefix_tree_advantage=self.cfg.prefix_tree_advantage, self_imitation=self.self_imitation,
-                prefix_merge=self.cfg.prefix_merge,
-                mini_batches=self.cfg.mini_batches, ref_model=self.ref_model, logprob_chunk=self.cfg.logprob_chunk)
+                prefix_tree_advantage=self.cfg.prefix_tree_advantage, prefix_merge=self.cfg.prefix_merge,
+                mini_batches=self.cfg.mini_batches, logprob_chunk=self.cfg.logprob_chunk)
+            if self.channel is not None:  # the batch is fixed now; every rank trains its share of it
+                self.channel.send({"op": "update", "samples": samples, "options": options})
+            # returns once every rank has stepped (train_update's last collective)
+            metrics = await asyncio.to_thread(train_update, self.engine, samples, ref_model=self.ref_model,
+                                              self_imitation=self.self_imitation, **options)
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)
         before = dict(self.state.trained_offsets)
@@ -1283,6 +1338,32 @@ class Trainer:
             await producer.stop()
             raise
 
+    def follow(self) -> None:
+        """Rank > 0 of an N-rank trainer: join the group, then do what rank 0 says (trainer/ranks.py)
+        until it says stop or is gone: ``load`` (build the engine over ``model_dir``, as rank 0
+        does: :meth:`load_policy`), ``update`` (:func:`train_update` on the batch rank 0 fixed,
+        with this rank's own reference model and self-imitation buffer, which evolve as rank 0's),
+        ``stop``. Raises :class:`ranks.ChannelClosed` when rank 0's store goes away, ValueError
+        for a command it does not know."""
+        init_distributed()
+        channel = ranks.CommandChannel(_STORE)
+        while True:
+            command = channel.receive()
+            op = command["op"]
+            if op == "stop":
+                return
+            if op == "load":
+                self.model_dir = Path(command["model_dir"])
+                if not self.model_dir.exists():
+                    raise ValueError(f"rank {self.rank}: {self.model_dir} does not exist here; the ranks of one "
+                                     "trainer share its cache directory (SPANRL_CACHE_DIR)")
+                self.load_policy()
+            elif op == "update":
+                train_update(self.engine, command["samples"], ref_model=self.ref_model,
+                             self_imitation=self.self_imitation, **command["options"])
+            else:
+                raise ValueError(f"rank {self.rank}: unknown command {op!r}")
+
     def status(self) -> dict:
         return asdict(self.state)
 
@@ -1347,6 +1428,19 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
     return runner
 
 
+def launch_ranks(n: int, args: list[str]) -> None:
+    """Replace this process by DeepSpeed's launcher running ``n`` ranks of the trainer with
+    ``args`` (trainer/ranks.py): the same pid, so whoever started the trainer holds the group;
+    rank 0's rendezvous on ``MASTER_ADDR`` (:func:`rendezvous_bind_address`: loopback unless
+    set) at a free port; ``OMP_NUM_THREADS`` split between the ranks. Does not return."""
+    host = rendezvous_bind_address(env.env_value("MASTER_ADDR"))
+    env.set_env("OMP_NUM_THREADS", str(ranks.threads_per_rank(int(env.env_value("OMP_NUM_THREADS", "2")), n)))
+    argv = ranks.launch_argv(sys.executable, n, ranks.free_port(host), "spanrl.trainer.train", args, master_addr=host)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="spanrl trainer: samples -> DeepSpeed -> checkpoints")
     ap.add_argument("--run", help="run name (default SPANRL_TRAINER_RUN or SPANRL_RUN)")
@@ -1365,7 +1459,19 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay,
                                           gpu=args.gpu or None), indent=2))
         return
+    if cfg.ranks > 1 and env.env_value("RANK") is None:  # this process becomes DeepSpeed's launcher
+        launch_ranks(cfg.ranks, sys.argv[1:] if argv is None else argv)
     trainer = Trainer(cfg)
+    if trainer.rank > 0:
+        # the group stops when rank 0 says so (it finishes its update and checkpoint first), or dies with it
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            trainer.follow()
+        except ranks.ChannelClosed as exc:
+            log.error("rank %d: %s", trainer.rank, exc)
+            sys.exit(1)
+        return
 
     async def run() -> None:
         # SIGTERM/SIGINT: finish the update in hand (and its checkpoint, unless MinIO/Kafka

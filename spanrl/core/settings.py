@@ -493,6 +493,9 @@ class TrainerConfig(Section):
     max_batch: int = setting(64, "most samples in one update", unit="samples", readers="trainer")
     idle_flush_s: float = setting(10.0, "a `stream` update of what is buffered after this long without new samples",
                                   unit="s", readers="trainer")
+    ranks: int = setting(1, "data-parallel DeepSpeed ranks of the trainer on this machine: > 1 starts them through "
+                         "DeepSpeed's launcher; rank 0 reads the samples and publishes, every rank trains its share "
+                         "of each update (trainer/ranks.py)", unit="processes", readers="trainer")
     micro_batch: int = setting(8, "at most this many sequences per micro-batch ...", unit="sequences",
                                readers="trainer")
     micro_batch_tokens: int = setting(2048, "... and at most this many padded tokens", unit="tokens", readers="trainer")
