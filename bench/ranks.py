@@ -1,7 +1,7 @@
 """One update of the same batch with 1 rank and with N ranks (issue 20 items 2 and 4).
 
     python -m bench.ranks [--ranks 2] [--model DIR] [--samples 16] [--prompt 120] [--completion 60]
-                          [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--out DIR]
+                          [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--updates 1] [--out DIR]
 
 Each group is started the way the trainer starts itself with ``SPANRL_TRAINER_RANKS`` > 1:
 DeepSpeed's launcher (trainer/ranks.launch_argv), every rank running ``python -m bench.ranks
@@ -12,8 +12,8 @@ through the launcher too. Compared: every parameter after the update (``param_re
 ``||theta_N - theta_1|| / ||theta_1||`` over all parameters; ``max_rel_param_diff``: the largest
 ``max|a - b| / max|a|`` over tensors, which a tensor near zero such as a fresh bias inflates;
 ``update_rel_diff``: ``||d_N - d_1|| / ||d_1||`` of the updates ``d = after - before``, the
-strictest), the update's loss and ratio figures, and per
-rank the update's seconds and the peak resident set (getrusage). Prints one JSON object and
+strictest), the last update's loss and ratio figures, and per rank the last update's seconds
+(``--updates`` > 1: the first is a warm-up) and the peak resident set (getrusage). Prints one JSON object and
 writes it to ``OUT/ranks.json``. ``--model``: default the stack's base model (SPANRL_MODEL).
 """
 from __future__ import annotations
@@ -79,14 +79,16 @@ def worker(spec_path: Path) -> None:
     rank, world = rank_and_world()
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / "before.pt")
-    t0 = time.perf_counter()
-    metrics = train_update(engine, samples, micro_batch=spec["micro_batch"],
-                           micro_batch_tokens=spec["micro_batch_tokens"], mini_batches=spec["mini_batches"])
-    seconds = time.perf_counter() - t0
+    seconds = []
+    for _ in range(spec["updates"]):  # the same batch each time; the last update's figures are reported
+        t0 = time.perf_counter()
+        metrics = train_update(engine, samples, micro_batch=spec["micro_batch"],
+                               micro_batch_tokens=spec["micro_batch_tokens"], mini_batches=spec["mini_batches"])
+        seconds.append(time.perf_counter() - t0)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / f"after-{world}.pt")
     (out / f"rank{rank}-of{world}.json").write_text(json.dumps({
-        "rank": rank, "world": world, "update_s": seconds,
+        "rank": rank, "world": world, "update_s": seconds[-1], "first_update_s": seconds[0],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}}))
 
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--micro-batch-tokens", type=int, default=2048)
     ap.add_argument("--mini-batches", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--updates", type=int, default=1, help="updates on the same batch; the last one is timed")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the whole group (split over ranks)")
     ap.add_argument("--no-activation-checkpointing", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("results/ranks"))
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     spec = {"model": str(args.model or get_settings().model_dir), "samples": args.samples, "prompt": args.prompt,
             "completion": args.completion, "micro_batch": args.micro_batch,
             "micro_batch_tokens": args.micro_batch_tokens, "mini_batches": args.mini_batches, "lr": args.lr,
+            "updates": args.updates,
             "threads": args.threads, "activation_checkpointing": not args.no_activation_checkpointing}
     groups = {}
     for n in (1, args.ranks):

@@ -16,11 +16,17 @@ account (infra/ledger.py) from what Kafka holds (read_committed):
 - the trainer: checkpoint manifests chain without gaps or overlaps and its trained
   offsets reach the last sample of the run.
 
+``trainer_rank``: the trainer is restarted as two data-parallel ranks (``SPANRL_TRAINER_RANKS=2``,
+trainer/ranks.py) and only rank 1 is SIGKILLed, mid-update; DeepSpeed's launcher takes the
+group down, the group is restarted (two ranks) and resumes at its last checkpoint; afterwards
+the one-rank trainer comes back for the next faults.
+
 The stack is (re)started with short timeouts (``CHAOS_ENV``) and a fresh trainer run.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -48,7 +54,7 @@ from spanrl.trainer import checkpoint
 
 #: fault name -> stack component it kills ("runner" is the workload's own process)
 FAULTS: dict[str, str] = {
-    "worker": "stream", "trainer": "trainer", "bridge": "bridge", "proxy": "proxy", "runner": "runner",
+    "worker": "stream", "trainer": "trainer", "trainer_rank": "trainer", "bridge": "bridge", "proxy": "proxy", "runner": "runner",
     "kafka": "kafka", "minio": "minio", "vllm": "vllm",
 }
 #: environment of the stack during chaos: timeouts short enough that a killed attempt is
@@ -181,6 +187,31 @@ def kill_component(stack: Stack, name: str) -> None:
         time.sleep(0.1)
 
 
+#: the trainer of the ``trainer_rank`` fault: two data-parallel ranks (trainer/ranks.py)
+TWO_RANKS = TrainerConfig.env(ranks="2")
+
+
+def kill_trainer_rank(stack: Stack, rank: int, timeout_s: float = 120.0) -> float:
+    """SIGKILL one rank of the running trainer group (its other ranks and DeepSpeed's launcher
+    are left alone) and wait until the whole group has exited; returns the seconds that took.
+    Raises RuntimeError when the trainer is not running with that rank or outlives the timeout."""
+    from spanrl.trainer import ranks
+
+    pid = stack._pid("trainer")
+    pids = ranks.rank_processes(pid) if pid else {}
+    if rank not in pids:
+        raise RuntimeError(f"the trainer has no rank {rank} (ranks: {sorted(pids)}): is SPANRL_TRAINER_RANKS > {rank}?")
+    t0 = time.monotonic()
+    os.kill(pids[rank], signal.SIGKILL)
+    while stack._pid("trainer") is not None:
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"the trainer group outlived rank {rank} by {timeout_s:.0f}s")
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
 def heal(stack: Stack, unhealthy_grace_s: float = 120.0) -> list[str]:
     """Restart every component whose process exited, and any that stays unhealthy for
     ``unhealthy_grace_s`` (a trainer inside a long update may answer health checks slowly);
@@ -244,6 +275,9 @@ def trainer_problems(s: Settings, run: str, ms: list[dict]) -> list[str]:
 def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], None] = print) -> dict:
     """Run the workload, inject ``fault``, recover, account. Returns the chaos.json entry."""
     s = stack.s
+    if fault == "trainer_rank":  # the same run goes on with a 2-rank trainer group
+        stack.stop("trainer")
+        stack.start("trainer", extra_env=TWO_RANKS)
     fid = f"{fault}-{uuid.uuid4().hex[:6]}"
     tasks_topic = T.Topic(f"chaos-tasks.{fid}", "task_id", "task", 1)
     asyncio.run(create_topics(s.kafka_bootstrap, (tasks_topic,)))
@@ -265,7 +299,11 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         calls = sum(1 for a in AckLog.read(ack_log) if a["kind"] == "call")
-        if component in ("trainer", "minio"):
+        if fault == "trainer_rank":  # one rank of a 2-rank group, mid-update
+            if trainer_status(s).get("in_update"):
+                time.sleep(1.0)
+                break
+        elif component in ("trainer", "minio"):
             st = trainer_status(s)
             if st.get("buffered", 0) > 0 or st.get("updates", 0) > updates0:
                 time.sleep(2.0)
@@ -278,8 +316,12 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
     acked_at_kill = sum(1 for a in AckLog.read(ack_log) if a["kind"] == "call")
     say(f"{fault}: SIGKILL {component} after {acked_at_kill}/{planned} acknowledged calls")
     t_kill = time.monotonic()
+    group_exit_s = None
     if component == "runner":
         runner.kill()
+    elif fault == "trainer_rank":
+        group_exit_s = kill_trainer_rank(stack, 1)
+        say(f"{fault}: SIGKILL rank 1; the trainer group exited after {group_exit_s:.1f}s")
     else:
         kill_component(stack, component)
     time.sleep(cfg.down_s.get(fault, cfg.default_down_s))
@@ -291,7 +333,7 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
     if component == "runner":
         runner.start()
     else:
-        stack.start(component)
+        stack.start(component, extra_env=TWO_RANKS if fault == "trainer_rank" else None)
     recovery_s = time.monotonic() - t_kill
     collateral = heal(stack)
     say(f"{fault}: {component} healthy again after {recovery_s:.1f}s"
@@ -336,12 +378,16 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
         "expected": acc.calls_acknowledged, "produced": acc.transitions, "missing": acc.missing,
         "duplicated": acc.duplicated + acc.samples_duplicated, "dead_lettered": acc.dead_lettered,
         "recovery_s": round(recovery_s, 1), "settled_s": round(settled_s, 1),
+        **({"group_exit_s": round(group_exit_s, 1)} if group_exit_s is not None else {}),
         "also_restarted": collateral, "makeup_attempts": makeups,
         "trainer": {"caught_up": caught_up, "trained_offset": trained, "last_sample_offset": last_sample,
                     "versions": len(ms), "problems": tp},
         "account": acc.to_dict(), "wall_s": round(time.monotonic() - t0, 1),
     }
     entry["ok"] = acc.ok and caught_up and not tp
+    if fault == "trainer_rank":  # the next faults meet the usual one-rank trainer
+        stack.stop("trainer")
+        stack.start("trainer")
     return entry
 
 

@@ -449,7 +449,7 @@ def replay(
 @app.command()
 def chaos(
     faults: str = typer.Option(None, help="comma-separated faults (default: all): "
-                               "worker,trainer,bridge,proxy,runner,kafka,minio,vllm"),
+                               "worker,trainer,trainer_rank,bridge,proxy,runner,kafka,minio,vllm"),
     tasks: int = typer.Option(6, help="tasks per fault run"),
     group_size: int = typer.Option(4, help="rollouts per task"),
     calls: int = typer.Option(3, help="LLM calls per rollout"),

@@ -153,3 +153,23 @@ class CommandChannel:
                 raise ChannelClosed(f"rendezvous store unreachable: {exc}") from exc
             time.sleep(self.poll_s)
         return None
+
+
+def rank_processes(launcher_pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the trainer ranks below ``launcher_pid`` (their ``RANK`` variable, read
+    from /proc through psutil); empty when the process is gone. For fault injection and tests."""
+    import psutil
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for child in children:
+        try:
+            rank = child.environ().get("RANK")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if rank is not None and "spanrl.trainer.train" in " ".join(child.cmdline()):
+            out[int(rank)] = child.pid
+    return out

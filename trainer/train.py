@@ -399,6 +399,11 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     LoRA engine's own model): the k3 KL to the reference policy is computed
     per token, logged as ``ref_kl`` (token mean) and added to the loss times ``kl_coef``
     (DeepSeekMath eq. 4); without it ``kl_coef`` has nothing to act on.
+    With N ranks (torch.distributed initialised with world size N, trainer/ranks.py) every rank
+    is given the same ``samples`` and computes the same plan; each trains its share of every
+    mini-batch's micro-batches (:func:`ranks.rank_share`, padding passes at zero weight), its loss
+    times N (ZeRO averages the reduced gradients), and the metrics are summed over the ranks: the
+    update is the one-rank update (bench/ranks.py).
     ``reinforce_pp`` normalises each call's credited ``reward`` over the batch (the credit
     rule's return of that call, AIR's intermediate rewards included; with identical credit and
     no AIR it is the episode return R). Returns the update's metrics (those of the first
@@ -711,6 +716,9 @@ class TrainerState:
     pending_checkpoint: str | None = None  # saved, upload/announce not finished yet
     retries: int = 0  # retried MinIO/Kafka operations since start
     batching: str = "stream"
+    #: data-parallel ranks of this trainer (SPANRL_TRAINER_RANKS) and whether an update is running now
+    ranks: int = 1
+    in_update: bool = False
     #: barrier batching: the offsets ``POST /admin/train`` asked to train up to (``topic:p`` -> next offset)
     train_until: dict = field(default_factory=dict)
     #: staleness (trainer/staleness.py) since start: the bound, the lag histogram of the
@@ -823,6 +831,9 @@ class Trainer:
         self._dead_producer = None
         #: this process's rank and the group's size (``SPANRL_TRAINER_RANKS``: DeepSpeed's launcher sets them)
         self.rank, self.world = launched_rank_and_world()
+        self.state.ranks = self.world
+        if cfg.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {cfg.ranks}")
         #: rank 0 -> the other ranks: what to load and train (trainer/ranks.py); None with one rank
         self.channel: ranks.CommandChannel | None = None
 
@@ -1117,7 +1128,7 @@ class Trainer:
         try:
             sources = await self._retry("seek samples", lambda: self.seek_start(consumer, tps))
             params = list(self.engine.module.parameters())
-            self.emit({"event": "start", "run": self.run, "version": self.state.version,
+            self.emit({"event": "start", "run": self.run, "version": self.state.version, "ranks": self.world,
                        "offsets": dict(self.state.trained_offsets), "from": sources,
                        "model_dir": str(self.model_dir), "adapter": self.adapter,
                        "parameters": sum(p.numel() for p in params),
@@ -1245,8 +1256,12 @@ class Trainer:
             if self.channel is not None:  # the batch is fixed now; every rank trains its share of it
                 self.channel.send({"op": "update", "samples": samples, "options": options})
             # returns once every rank has stepped (train_update's last collective)
-            metrics = await asyncio.to_thread(train_update, self.engine, samples, ref_model=self.ref_model,
-                                              self_imitation=self.self_imitation, **options)
+            self.state.in_update = True
+            try:
+                metrics = await asyncio.to_thread(train_update, self.engine, samples, ref_model=self.ref_model,
+                                                  self_imitation=self.self_imitation, **options)
+            finally:
+                self.state.in_update = False
         # the trained offsets (what /status says was trained, and the next manifest) advance only
         # once the update is done: readers of /status wait on them (the main job's iteration)
         before = dict(self.state.trained_offsets)

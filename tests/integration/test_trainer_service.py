@@ -381,6 +381,41 @@ def _remove_run(minio, bucket: str, run: str) -> None:
             minio.remove_object(bucket, o.object_name)
 
 
+class TrainerProcesses:
+    """Trainer processes (``python -m spanrl.trainer.train``, each in its own session) of one
+    test run with the environment ``env``; logs ``tmp_path/trainer-<i>.log``; :meth:`kill_all`
+    SIGKILLs those still running."""
+
+    def __init__(self, tmp_path: Path, env: dict):
+        self.tmp_path, self.env, self.procs = tmp_path, env, []
+
+    def start(self, **extra) -> subprocess.Popen:
+        out = open(self.tmp_path / f"trainer-{len(self.procs)}.log", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "spanrl.trainer.train"], cwd=ROOT, env={**self.env, **extra},
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _trainer_env(stack, run: str, model_dir: Path, samples_topic: str, ckpt_topic: str, jsonl: Path, **extra) -> dict:
+    """The environment of a trainer process of a test run: this process's, without the
+    pytest process's torch.distributed rendezvous (an in-process trainer test may have set
+    MASTER_PORT and still hold it: each trainer process picks a free port of its own), plus the
+    stack's service environment and the run's settings (``extra``: more variables)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK",
+                                                                 "WORLD_SIZE", "LOCAL_RANK")}
+    return {**inherited, **stack.service_env(), "SPANRL_TRAINER_RUN": run, "SPANRL_TRAINER_BASE_DIR": str(model_dir),
+            "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic, "SPANRL_TRAINER_CHECKPOINTS_TOPIC": ckpt_topic,
+            "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_LOG_PATH": str(jsonl), "SPANRL_TRAINER_LR": "0.001",
+            **extra}
+
+
 async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tmp_path, light_stack, scratch_run,
                                                                              tiny_model_dir):
     """start=latest, SIGKILL before the first checkpoint, samples produced meanwhile: the
@@ -392,25 +427,10 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
     jsonl = tmp_path / "trainer.jsonl"
-    # not the pytest process's torch.distributed rendezvous (an in-process trainer test may have
-    # set MASTER_PORT and still hold it): each trainer process picks a free port of its own
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK",
-                                                                 "WORLD_SIZE", "LOCAL_RANK")}
-    env = {**inherited, **light_stack.service_env(), "SPANRL_TRAINER_RUN": run,
-           "SPANRL_TRAINER_BASE_DIR": str(tiny_model_dir), "SPANRL_TRAINER_SAMPLES_TOPIC": samples_topic,
-           "SPANRL_TRAINER_CHECKPOINTS_TOPIC": ckpt_topic, "SPANRL_TRAINER_START": "latest",
-           "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_LOG_PATH": str(jsonl),
-           "SPANRL_TRAINER_MICRO_BATCH": "4", "SPANRL_TRAINER_LR": "0.001",
-           "SPANRL_TRACKER": "tensorboard", "SPANRL_TRACKER_DIR": str(tmp_path / "tb")}
-    procs = []
-
-    def start(**extra) -> subprocess.Popen:
-        out = open(tmp_path / f"trainer-{len(procs)}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "spanrl.trainer.train"], cwd=ROOT, env={**env, **extra},
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(p)
-        return p
-
+    trainers = TrainerProcesses(tmp_path, _trainer_env(
+        light_stack, run, tiny_model_dir, samples_topic, ckpt_topic, jsonl, SPANRL_TRAINER_START="latest",
+        SPANRL_TRAINER_MICRO_BATCH="4", SPANRL_TRACKER="tensorboard", SPANRL_TRACKER_DIR=str(tmp_path / "tb")))
+    start = trainers.start
     try:
         await _produce(samples_topic, 0, 3)  # before the run: not its samples (start=latest)
         first = start(SPANRL_TRAINER_MIN_BATCH="1000", SPANRL_TRAINER_IDLE_FLUSH_S="3600")
@@ -454,14 +474,78 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
         assert (manifest["trained_offsets"], manifest["consumed_offsets"]) == ({key: 9}, {key: [3, 9]})
         assert checkpoint.check_offset_chain([manifest], start=marker["offsets"]) == []
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        trainers.kill_all()
         await admin.delete_topics([samples_topic, ckpt_topic])
         await admin.close()
         _remove_run(minio, s.checkpoint_bucket, run)
         shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
+
+
+async def test_two_rank_trainer_trains_each_sample_once_and_restarts_as_one_group(tmp_path, light_stack, scratch_run,
+                                                                                  tiny_model_dir):
+    """SPANRL_TRAINER_RANKS=2: the trainer process becomes DeepSpeed's launcher over two ranks;
+    rank 0 alone reads and publishes (one checkpoint per version, offsets [0, 4)). SIGKILL of
+    rank 1 ends the whole group (the launcher exits with an error); the restarted group resumes
+    at the checkpoint and trains the next samples once: the offset chain tiles [0, 8)."""
+    from spanrl.trainer import ranks
+
+    s = get_settings()
+    tag = uuid.uuid4().hex[:8]
+    run, samples_topic, ckpt_topic = scratch_run(f"tr2-{tag}"), f"tr2-samples-{tag}", f"tr2-checkpoints-{tag}"
+    key = f"{samples_topic}:0"
+    admin = await _topics(samples_topic, ckpt_topic)
+    minio = checkpoint.make_client(s)
+    jsonl = tmp_path / "trainer.jsonl"
+    trainers = TrainerProcesses(tmp_path, _trainer_env(
+        light_stack, run, tiny_model_dir, samples_topic, ckpt_topic, jsonl, SPANRL_TRAINER_RANKS="2",
+        SPANRL_TRAINER_START="earliest", SPANRL_TRAINER_MIN_BATCH="4", SPANRL_TRAINER_MAX_BATCH="4",
+        SPANRL_TRAINER_IDLE_FLUSH_S="3600", SPANRL_TRAINER_MICRO_BATCH="1"))
+    start = trainers.start
+    try:
+        await _produce(samples_topic, 0, 4)
+        first = start()
+        await _wait_for("the first checkpoint", lambda: _events(jsonl, "checkpoint"), 420, first,
+                        tmp_path / "trainer-0.log")
+        [upd] = _events(jsonl, "update")  # one line per update: rank 0 speaks for the group
+        assert (upd["samples"], upd["consumed"], upd["steps"]) == (4, {key: [0, 4]}, 1)
+        assert _events(jsonl, "start")[0]["ranks"] == 2
+        pids = ranks.rank_processes(first.pid)
+        assert sorted(pids) == [0, 1] and first.pid not in pids.values()
+        os.kill(pids[1], signal.SIGKILL)
+        rc = await asyncio.to_thread(first.wait, 90)  # the launcher takes rank 0 down and exits with the error
+        assert rc != 0
+        assert not any(psutil_alive(pid) for pid in pids.values())
+
+        await _produce(samples_topic, 4, 4)
+        second = start(SPANRL_TRAINER_MAX_UPDATES="1")
+        rc = await asyncio.to_thread(second.wait, 420)
+        assert rc == 0, (tmp_path / "trainer-1.log").read_text()[-3000:]
+        restart = _events(jsonl, "start")[1]
+        assert (restart["offsets"], restart["from"]) == ({key: 4}, {key: "checkpoint"})
+        updates = _events(jsonl, "update")
+        assert [(u["samples"], u["consumed"]) for u in updates] == [(4, {key: [0, 4]}), (4, {key: [4, 8]})]
+        manifests = []
+        for v in (1, 2):
+            manifests.append(await asyncio.to_thread(checkpoint.download_checkpoint, minio,
+                                                     checkpoint.checkpoint_uri(s.checkpoint_bucket, run, v),
+                                                     tmp_path / f"v{v}"))
+        assert [m["consumed_offsets"] for m in manifests] == [{key: [0, 4]}, {key: [4, 8]}]
+        assert checkpoint.check_offset_chain(manifests, start={key: 0}) == []
+    finally:
+        trainers.kill_all()
+        await admin.delete_topics([samples_topic, ckpt_topic])
+        await admin.close()
+        _remove_run(minio, s.checkpoint_bucket, run)
+        shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
+
+
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack, scratch_run, tiny_model_dir):
