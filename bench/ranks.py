@@ -1,7 +1,8 @@
 """One update of the same batch with 1 rank and with N ranks (issue 20 items 2 and 4).
 
     python -m bench.ranks [--ranks 2] [--model DIR] [--samples 16] [--prompt 120] [--completion 60]
-                          [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--updates 1] [--out DIR]
+                          [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--updates 1]
+                          [--zero-stage 2|3] [--logprob-chunk N] [--out DIR]
 
 Each group is started the way the trainer starts itself with ``SPANRL_TRAINER_RANKS`` > 1:
 DeepSpeed's launcher (trainer/ranks.launch_argv), every rank running ``python -m bench.ranks
@@ -67,7 +68,7 @@ def worker(spec_path: Path) -> None:
     after; every rank writes its timing and memory to ``OUT/rank<r>-of<N>.json``."""
     import torch
 
-    from spanrl.trainer.train import build_engine, load_model, rank_and_world, train_update
+    from spanrl.trainer.train import build_engine, gathered_state_dict, load_model, rank_and_world, train_update
 
     spec = json.loads(spec_path.read_text())
     out = Path(spec["out"])
@@ -75,18 +76,21 @@ def worker(spec_path: Path) -> None:
     model = load_model(Path(spec["model"]), activation_checkpointing=spec["activation_checkpointing"])
     samples = synthetic_samples(spec["samples"], spec["prompt"], spec["completion"], model.config.vocab_size)
     fill_behaviour_logprobs(model, samples)
-    engine = build_engine(model, lr=spec["lr"], micro_batch=spec["micro_batch"])
+    engine = build_engine(model, lr=spec["lr"], micro_batch=spec["micro_batch"], zero_stage=spec["zero_stage"])
     rank, world = rank_and_world()
+    state = gathered_state_dict(engine)  # ZeRO-3: a collective; None on ranks > 0
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / "before.pt")
+        torch.save({k: v.detach().clone() for k, v in state.items()}, out / "before.pt")
     seconds = []
     for _ in range(spec["updates"]):  # the same batch each time; the last update's figures are reported
         t0 = time.perf_counter()
         metrics = train_update(engine, samples, micro_batch=spec["micro_batch"],
-                               micro_batch_tokens=spec["micro_batch_tokens"], mini_batches=spec["mini_batches"])
+                               micro_batch_tokens=spec["micro_batch_tokens"], mini_batches=spec["mini_batches"],
+                               logprob_chunk=spec["logprob_chunk"])
         seconds.append(time.perf_counter() - t0)
+    state = gathered_state_dict(engine)
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / f"after-{world}.pt")
+        torch.save({k: v.detach().clone() for k, v in state.items()}, out / f"after-{world}.pt")
     (out / f"rank{rank}-of{world}.json").write_text(json.dumps({
         "rank": rank, "world": world, "update_s": seconds[-1], "first_update_s": seconds[0],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--mini-batches", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--updates", type=int, default=1, help="updates on the same batch; the last one is timed")
+    ap.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage of both groups (2 or 3)")
+    ap.add_argument("--logprob-chunk", type=int, help="default: the trainer's setting (0 with --zero-stage 3)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the whole group (split over ranks)")
     ap.add_argument("--no-activation-checkpointing", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("results/ranks"))
@@ -152,14 +158,16 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     import torch
 
-    from spanrl.core.settings import get_settings
+    from spanrl.core.settings import TrainerConfig, get_settings
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(args.model or get_settings().model_dir), "samples": args.samples, "prompt": args.prompt,
             "completion": args.completion, "micro_batch": args.micro_batch,
             "micro_batch_tokens": args.micro_batch_tokens, "mini_batches": args.mini_batches, "lr": args.lr,
-            "updates": args.updates,
+            "updates": args.updates, "zero_stage": args.zero_stage,
+            "logprob_chunk": args.logprob_chunk if args.logprob_chunk is not None else
+            (0 if args.zero_stage == 3 else TrainerConfig.default("logprob_chunk")),
             "threads": args.threads, "activation_checkpointing": not args.no_activation_checkpointing}
     groups = {}
     for n in (1, args.ranks):

@@ -159,18 +159,28 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+#: the ZeRO stages the trainer runs (``SPANRL_TRAINER_ZERO_STAGE``)
+ZERO_STAGES = (2, 3)
+
+
 def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float,
-                     gpu: bool | None = None) -> dict:
-    """The one DeepSpeed config: ZeRO-2. GPU: bf16 + FusedAdam (the "AdamW" optimizer block).
-    CPU: fp32, the optimizer is passed in by build_engine. ``gpu``: None = whether CUDA is
-    available. ``python -m spanrl.trainer.train --deepspeed-config [--gpu]`` prints it as JSON
-    for the trainer's settings (there is no second copy in a file)."""
+                     gpu: bool | None = None, zero_stage: int = 2) -> dict:
+    """The one DeepSpeed config: ZeRO ``zero_stage`` (2: optimizer states and gradients
+    partitioned; 3: the parameters too, :data:`ZERO_STAGES`). GPU: bf16 + FusedAdam (the "AdamW"
+    optimizer block). CPU: fp32, the optimizer is passed in by build_engine. ``gpu``: None =
+    whether CUDA is available. ``python -m spanrl.trainer.train --deepspeed-config [--gpu]`` prints
+    it as JSON for the trainer's settings (there is no second copy in a file). Raises ValueError
+    for another stage."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
+    buckets = ({"allgather_bucket_size": BUCKET_ELEMENTS} if zero_stage == 2 else
+               {"stage3_prefetch_bucket_size": BUCKET_ELEMENTS, "stage3_max_live_parameters": BUCKET_ELEMENTS})
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,  # accumulation is driven explicitly in train_update
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
-                              "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS},
+        "zero_optimization": {"stage": zero_stage, "contiguous_gradients": True, "overlap_comm": False,
+                              "reduce_bucket_size": BUCKET_ELEMENTS, **buckets},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
@@ -184,8 +194,9 @@ def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay
 
 
 def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, micro_batch: int = 8,
-                 grad_clip: float = 1.0):
-    """Wrap ``model`` in a DeepSpeed ZeRO-2 engine (the one function tests and the service use).
+                 grad_clip: float = 1.0, zero_stage: int = 2):
+    """Wrap ``model`` in a DeepSpeed ZeRO engine, stage ``zero_stage`` (:func:`deepspeed_config`;
+    the one function tests and the service use).
 
     CPU: fp32 with DeepSpeedCPUAdam (JIT-built once into TORCH_EXTENSIONS_DIR); if that
     build fails, torch.optim.AdamW (logged). The optimizer (and ZeRO's partitions, master copy
@@ -196,7 +207,7 @@ def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0
     import deepspeed
 
     init_distributed()
-    cfg = deepspeed_config(micro_batch, grad_clip, lr, weight_decay)
+    cfg = deepspeed_config(micro_batch, grad_clip, lr, weight_decay, zero_stage=zero_stage)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no parameter that requires gradients")
@@ -212,6 +223,35 @@ def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
                                            model_parameters=None if optimizer else trainable)
     return engine
+
+
+def zero_stage_of(engine) -> int:
+    """The ZeRO stage of a DeepSpeed engine (0 for a plain module, e.g. the reference model)."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return stage() if callable(stage) else 0
+
+
+def gathered_state_dict(engine) -> dict | None:
+    """The whole weights of ``engine``'s module as a state dict on rank 0 (None on the other
+    ranks): with ZeRO-3 the partitions are gathered (a collective: every rank calls this at the
+    same point), tensors that share storage (tied embeddings) stay shared; with ZeRO-2 every
+    rank holds them and rank 0 reads its own (no collective)."""
+    rank, _ = rank_and_world()
+    module = engine.module
+    if zero_stage_of(engine) != 3:
+        return module.state_dict() if rank == 0 else None
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        if rank != 0:
+            return None
+        copies: dict[int, torch.Tensor] = {}
+        return {k: copies.setdefault(v.data_ptr(), v.detach().clone()) for k, v in module.state_dict().items()}
+
+
+def parameter_count(model) -> int:
+    """Parameters of ``model``, also when ZeRO-3 has partitioned them (``ds_numel``)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def load_reference_model(model_dir: Path):
@@ -281,6 +321,9 @@ def completion_logprobs(model, input_ids, attention_mask, completion_mask, windo
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
         return losses.token_logprobs(logits, ids, mask)
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    if zero_stage_of(model) == 3:
+        raise ValueError("chunked log-probs read the output layer's weight outside its forward, which ZeRO-3 "
+                         "keeps partitioned: set logprob_chunk=0 with zero_stage 3")
     with lm_head_bypassed(module) as weight:
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
     return losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk)
@@ -634,8 +677,9 @@ def _learning_rate(engine) -> float | None:
 
 # ---- checkpoints ----------------------------------------------------------------------
 
-def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> dict:
-    """Write HF safetensors + config + the base dir's tokenizer files + manifest into ``out_dir``.
+def save_checkpoint(model, base_dir: Path, out_dir: Path, state_dict: dict | None = None, **manifest_fields) -> dict:
+    """Write HF safetensors + config + the base dir's tokenizer files + manifest into ``out_dir``
+    (the weights of ``state_dict`` when given, e.g. :func:`gathered_state_dict` under ZeRO-3).
 
     With ``adapter`` in ``manifest_fields`` (``lora.lora_spec``; ``model`` a peft LoRA model):
     only the adapter (``adapter_model.safetensors``, ``adapter_config.json``, ``lora.save_adapter``)
@@ -650,7 +694,7 @@ def save_checkpoint(model, base_dir: Path, out_dir: Path, **manifest_fields) -> 
     if adapter is not None:
         lora.save_adapter(model, out_dir, manifest_fields["base_model"])
         return checkpoint.write_manifest(out_dir, **manifest_fields)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True, state_dict=state_dict)
     for p in Path(base_dir).iterdir():
         if p.is_file() and p.name not in _MODEL_FILES and not (out_dir / p.name).exists():
             shutil.copy2(p, out_dir / p.name)
@@ -834,6 +878,10 @@ class Trainer:
         self.state.ranks = self.world
         if cfg.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {cfg.ranks}")
+        deepspeed_config(1, 1.0, 1e-5, 0.0, gpu=False, zero_stage=cfg.zero_stage)  # ValueError for a bad stage
+        if cfg.zero_stage == 3 and (cfg.logprob_chunk or cfg.lora_rank):
+            raise ValueError("zero_stage 3 needs logprob_chunk=0 (chunked log-probs read the partitioned output "
+                             "layer) and lora_rank=0 (adapters are small: ZeRO-2 holds them)")
         #: rank 0 -> the other ranks: what to load and train (trainer/ranks.py); None with one rank
         self.channel: ranks.CommandChannel | None = None
 
@@ -939,8 +987,11 @@ class Trainer:
         metrics = manifest_metrics(self.state.last_metrics)
         trained = dict(self.state.trained_offsets)
         consumed = checkpoint.consumed_ranges(self._consumed_from, trained)
+        if self.channel is not None and self.cfg.zero_stage == 3:  # every rank gives its partition
+            self.channel.send({"op": "gather"})
+        state = await asyncio.to_thread(gathered_state_dict, self.engine) if self.cfg.zero_stage == 3 else None
         manifest = await asyncio.to_thread(
-            save_checkpoint, self.engine.module, self.model_dir, out, run=self.run, version=version,
+            save_checkpoint, self.engine.module, self.model_dir, out, state_dict=state, run=self.run, version=version,
             parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
             trained_offsets=trained, consumed_offsets=consumed, metrics=metrics,
             staleness={"max_staleness": self.cfg.max_staleness, "policy": self.cfg.stale_policy,
@@ -1131,8 +1182,9 @@ class Trainer:
             self.emit({"event": "start", "run": self.run, "version": self.state.version, "ranks": self.world,
                        "offsets": dict(self.state.trained_offsets), "from": sources,
                        "model_dir": str(self.model_dir), "adapter": self.adapter,
-                       "parameters": sum(p.numel() for p in params),
-                       "trainable_parameters": sum(p.numel() for p in params if p.requires_grad)})
+                       "zero_stage": self.cfg.zero_stage, "parameters": parameter_count(self.engine.module),
+                       "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params
+                                                   if p.requires_grad)})
             buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
             last_arrival = time.monotonic()
             while not self._stop.is_set():
@@ -1207,7 +1259,8 @@ class Trainer:
             model = load_model(self.base_dir, self.cfg.activation_checkpointing, adapter=self.adapter,
                                adapter_dir=self.model_dir if manifest else None)
         self.engine = build_engine(model, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                   micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip)
+                                   micro_batch=self.cfg.micro_batch, grad_clip=self.cfg.grad_clip,
+                                   zero_stage=self.cfg.zero_stage)
         if self.cfg.kl_coef <= 0:
             return
         if self.adapter is not None:  # the reference policy: the base weights under the adapter
@@ -1358,7 +1411,7 @@ class Trainer:
         until it says stop or is gone: ``load`` (build the engine over ``model_dir``, as rank 0
         does: :meth:`load_policy`), ``update`` (:func:`train_update` on the batch rank 0 fixed,
         with this rank's own reference model and self-imitation buffer, which evolve as rank 0's),
-        ``stop``. Raises :class:`ranks.ChannelClosed` when rank 0's store goes away, ValueError
+        ``gather`` (ZeRO-3: its partition of the weights for rank 0's checkpoint), ``stop``. Raises :class:`ranks.ChannelClosed` when rank 0's store goes away, ValueError
         for a command it does not know."""
         init_distributed()
         channel = ranks.CommandChannel(_STORE)
@@ -1376,6 +1429,8 @@ class Trainer:
             elif op == "update":
                 train_update(self.engine, command["samples"], ref_model=self.ref_model,
                              self_imitation=self.self_imitation, **command["options"])
+            elif op == "gather":  # ZeRO-3: rank 0 writes a checkpoint from every rank's partition
+                gathered_state_dict(self.engine)
             else:
                 raise ValueError(f"rank {self.rank}: unknown command {op!r}")
 
@@ -1472,7 +1527,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainerConfig(**overrides)
     if args.deepspeed_config:
         print(json.dumps(deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay,
-                                          gpu=args.gpu or None), indent=2))
+                                          gpu=args.gpu or None, zero_stage=cfg.zero_stage), indent=2))
         return
     if cfg.ranks > 1 and env.env_value("RANK") is None:  # this process becomes DeepSpeed's launcher
         launch_ranks(cfg.ranks, sys.argv[1:] if argv is None else argv)

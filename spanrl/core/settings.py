@@ -496,6 +496,9 @@ class TrainerConfig(Section):
     ranks: int = setting(1, "data-parallel DeepSpeed ranks of the trainer on this machine: > 1 starts them through "
                          "DeepSpeed's launcher; rank 0 reads the samples and publishes, every rank trains its share "
                          "of each update (trainer/ranks.py)", unit="processes", readers="trainer")
+    zero_stage: int = setting(2, "DeepSpeed ZeRO stage: 2 (optimizer states and gradients partitioned over the ranks, "
+                              "each rank holds the whole weights) or 3 (the weights too: gathered for each "
+                              "checkpoint; needs logprob_chunk 0 and no LoRA)", readers="trainer")
     micro_batch: int = setting(8, "at most this many sequences per micro-batch ...", unit="sequences",
                                readers="trainer")
     micro_batch_tokens: int = setting(2048, "... and at most this many padded tokens", unit="tokens", readers="trainer")

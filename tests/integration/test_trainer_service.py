@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from spanrl.core.settings import get_settings
 from spanrl.infra.stack import ROOT, Stack
@@ -481,12 +482,16 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
         shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
 async def test_two_rank_trainer_trains_each_sample_once_and_restarts_as_one_group(tmp_path, light_stack, scratch_run,
-                                                                                  tiny_model_dir):
+                                                                                  tiny_model_dir, zero_stage):
     """SPANRL_TRAINER_RANKS=2: the trainer process becomes DeepSpeed's launcher over two ranks;
     rank 0 alone reads and publishes (one checkpoint per version, offsets [0, 4)). SIGKILL of
     rank 1 ends the whole group (the launcher exits with an error); the restarted group resumes
-    at the checkpoint and trains the next samples once: the offset chain tiles [0, 8)."""
+    at the checkpoint and trains the next samples once: the offset chain tiles [0, 8). ZeRO-3:
+    the checkpoint holds the gathered weights (the tiny model's tied embeddings included)."""
+    from safetensors.torch import load_file
+
     from spanrl.trainer import ranks
 
     s = get_settings()
@@ -499,7 +504,8 @@ async def test_two_rank_trainer_trains_each_sample_once_and_restarts_as_one_grou
     trainers = TrainerProcesses(tmp_path, _trainer_env(
         light_stack, run, tiny_model_dir, samples_topic, ckpt_topic, jsonl, SPANRL_TRAINER_RANKS="2",
         SPANRL_TRAINER_START="earliest", SPANRL_TRAINER_MIN_BATCH="4", SPANRL_TRAINER_MAX_BATCH="4",
-        SPANRL_TRAINER_IDLE_FLUSH_S="3600", SPANRL_TRAINER_MICRO_BATCH="1"))
+        SPANRL_TRAINER_IDLE_FLUSH_S="3600", SPANRL_TRAINER_MICRO_BATCH="1", SPANRL_TRAINER_ZERO_STAGE=str(zero_stage),
+        SPANRL_TRAINER_LOGPROB_CHUNK="0" if zero_stage == 3 else "256"))
     start = trainers.start
     try:
         await _produce(samples_topic, 0, 4)
@@ -531,6 +537,10 @@ async def test_two_rank_trainer_trains_each_sample_once_and_restarts_as_one_grou
                                                      tmp_path / f"v{v}"))
         assert [m["consumed_offsets"] for m in manifests] == [{key: [0, 4]}, {key: [4, 8]}]
         assert checkpoint.check_offset_chain(manifests, start={key: 0}) == []
+        # whole weights in every version (ZeRO-3: gathered from both ranks), and they moved
+        base, v1, v2 = (load_file(str(d / "model.safetensors")) for d in (tiny_model_dir, tmp_path / "v1", tmp_path / "v2"))
+        assert set(v1) == set(base) and all(v1[k].shape == base[k].shape for k in base)
+        assert any(not torch.equal(v1[k], base[k]) for k in base) and any(not torch.equal(v2[k], v1[k]) for k in base)
     finally:
         trainers.kill_all()
         await admin.delete_topics([samples_topic, ckpt_topic])

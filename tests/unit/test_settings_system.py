@@ -90,7 +90,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 145
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 146
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -202,7 +202,7 @@ def test_trainer_defaults():
         'negative_advantage_weight': 1.0, 'prefix_tree_advantage': False,
         'self_imitation_updates': 0, 'self_imitation_weight': 1.0, 'self_imitation_loss': 'clipped', 'prefix_merge': False, 'kl_coef': 0.0, 'mini_batches': 1, 'batching': 'stream',
         'grad_clip': 1.0, 'ppo_epochs': 1, 'min_batch': 16, 'max_batch': 64, 'idle_flush_s': 10.0,
-        'ranks': 1, 'micro_batch': 8, 'micro_batch_tokens': 2048, 'activation_checkpointing': True, 'lora_rank': 0,
+        'ranks': 1, 'zero_stage': 2, 'micro_batch': 8, 'micro_batch_tokens': 2048, 'activation_checkpointing': True, 'lora_rank': 0,
         'lora_alpha': 32.0, 'lora_dropout': 0.0,
         'lora_target_modules': 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj', 'logprob_chunk': 256,
         'max_tokens': 4096, 'checkpoint_every': 1, 'keep_local': 2, 'keep_published': 0, 'init_from': None,
@@ -342,7 +342,14 @@ def test_one_deepspeed_config(capsys):
     assert gpu["zero_optimization"] == cpu["zero_optimization"] == {
         "stage": 2, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": train.BUCKET_ELEMENTS,
         "allgather_bucket_size": train.BUCKET_ELEMENTS}
+    assert train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=False, zero_stage=3)["zero_optimization"] == {
+        "stage": 3, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": train.BUCKET_ELEMENTS,
+        "stage3_prefetch_bucket_size": train.BUCKET_ELEMENTS, "stage3_max_live_parameters": train.BUCKET_ELEMENTS}
+    with pytest.raises(ValueError, match="zero_stage"):
+        train.deepspeed_config(8, 1.0, 1e-5, 0.0, zero_stage=1)
     train.main(["--deepspeed-config", "--gpu"])
     printed = json.loads(capsys.readouterr().out)
     cfg = TrainerConfig()
     assert printed == train.deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay, gpu=True)
+    with pytest.raises(ValueError, match="logprob_chunk=0"):  # ZeRO-3 keeps the output layer partitioned
+        train.Trainer(TrainerConfig(zero_stage=3, http=False))

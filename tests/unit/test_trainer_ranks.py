@@ -74,17 +74,19 @@ def test_command_channel_over_a_tcp_store():
         receive.receive()
 
 
-def test_two_ranks_give_the_parameters_of_one(tmp_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage):
     """One update (two mini-batches of five samples, micro-batches of two: three per mini-batch,
     so rank 1 also runs a zero-weight padding pass) on a tiny Qwen2, with 1 and with 2 ranks
-    started by DeepSpeed's launcher: the same parameters within float summation order."""
+    started by DeepSpeed's launcher, ZeRO-2 and ZeRO-3 (its weights gathered for the comparison
+    as for a checkpoint): the same parameters within float summation order."""
     from bench import ranks as bench_ranks
 
     model_dir = tmp_path / "tiny"
     tiny_qwen2(512, 64, 0).save_pretrained(model_dir)
     report = bench_ranks.main(["--model", str(model_dir), "--samples", "10", "--prompt", "40", "--completion", "20",
                                "--micro-batch", "2", "--mini-batches", "2", "--lr", "1e-3", "--out",
-                               str(tmp_path / "out")])
+                               str(tmp_path / "out"), "--zero-stage", str(zero_stage)])
     assert report["groups"]["1"]["steps"] == report["groups"]["2"]["steps"] == 2
     assert report["update_norm"] > 1e-3  # the update moved the parameters
     assert report["param_rel_diff"] <= 1e-5, report
