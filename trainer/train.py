@@ -163,6 +163,12 @@ def rank_and_world() -> tuple[int, int]:
 ZERO_STAGES = (2, 3)
 
 
+def check_zero_stage(zero_stage: int) -> None:
+    """Raise ValueError unless ``zero_stage`` is one of :data:`ZERO_STAGES`."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
+
+
 def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float,
                      gpu: bool | None = None, zero_stage: int = 2) -> dict:
     """The one DeepSpeed config: ZeRO ``zero_stage`` (2: optimizer states and gradients
@@ -171,8 +177,7 @@ def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay
     whether CUDA is available. ``python -m spanrl.trainer.train --deepspeed-config [--gpu]`` prints
     it as JSON for the trainer's settings (there is no second copy in a file). Raises ValueError
     for another stage."""
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
+    check_zero_stage(zero_stage)
     buckets = ({"allgather_bucket_size": BUCKET_ELEMENTS} if zero_stage == 2 else
                {"stage3_prefetch_bucket_size": BUCKET_ELEMENTS, "stage3_max_live_parameters": BUCKET_ELEMENTS})
     cfg = {
@@ -249,9 +254,10 @@ def gathered_state_dict(engine) -> dict | None:
         return {k: copies.setdefault(v.data_ptr(), v.detach().clone()) for k, v in module.state_dict().items()}
 
 
-def parameter_count(model) -> int:
-    """Parameters of ``model``, also when ZeRO-3 has partitioned them (``ds_numel``)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+def parameter_count(model, trainable_only: bool = False) -> int:
+    """Parameters of ``model`` (those that require gradients with ``trainable_only``), also when
+    ZeRO-3 has partitioned them (``ds_numel``)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def load_reference_model(model_dir: Path):
@@ -555,8 +561,9 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 b = chunks[i]
                 b = batching.Batch(*(t.to(device) for t in (b.input_ids, b.attention_mask, b.completion_mask,
                                                             b.behaviour_logprobs, b.advantages, b.returns)))
-                # [B, T]: each completion token's weight in the loss (0: a rank's padding micro-batch)
-                token_w = chunk_w[i].to(device) * (0.0 if padding else 1.0)
+                token_w = chunk_w[i].to(device)  # [B, T]: each completion token's weight in the loss
+                if padding:  # a rank's padding pass: the same collectives, no contribution
+                    token_w = torch.zeros_like(token_w)
                 # log-probs only over the trailing window that predicts completion tokens
                 # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
                 K = batching.completion_window(b)
@@ -878,7 +885,7 @@ class Trainer:
         self.state.ranks = self.world
         if cfg.ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {cfg.ranks}")
-        deepspeed_config(1, 1.0, 1e-5, 0.0, gpu=False, zero_stage=cfg.zero_stage)  # ValueError for a bad stage
+        check_zero_stage(cfg.zero_stage)
         if cfg.zero_stage == 3 and (cfg.logprob_chunk or cfg.lora_rank):
             raise ValueError("zero_stage 3 needs logprob_chunk=0 (chunked log-probs read the partitioned output "
                              "layer) and lora_rank=0 (adapters are small: ZeRO-2 holds them)")
@@ -1155,20 +1162,20 @@ class Trainer:
         self.state.train_until = {f"{self.cfg.samples_topic}:{p}": o for p, o in sorted(self._train_until.items())}
 
     async def _serve(self) -> None:
-        from spanrl.schemas.codec import SchemaError, decode
-
         if self.world > 1:  # the group's rendezvous (rank 0 serves its store) before anything else
             await asyncio.to_thread(init_distributed)
             self.channel = ranks.CommandChannel(_STORE, readers=self.world - 1)
         try:
-            await self._serve_samples(decode, SchemaError)
+            await self._serve_samples()
         finally:
             if self.channel is not None:
                 with contextlib.suppress(Exception):  # a follower that is gone needs no stop
                     self.channel.send({"op": "stop"})
 
-    async def _serve_samples(self, decode, SchemaError) -> None:
+    async def _serve_samples(self) -> None:
         from transformers import AutoTokenizer
+
+        from spanrl.schemas.codec import SchemaError, decode
 
         await self._retry("resume", self.resume)
         await asyncio.to_thread(self.load_policy)
@@ -1178,13 +1185,11 @@ class Trainer:
         consumer, tps = await self._retry("open samples consumer", self.open_consumer)
         try:
             sources = await self._retry("seek samples", lambda: self.seek_start(consumer, tps))
-            params = list(self.engine.module.parameters())
             self.emit({"event": "start", "run": self.run, "version": self.state.version, "ranks": self.world,
                        "offsets": dict(self.state.trained_offsets), "from": sources,
                        "model_dir": str(self.model_dir), "adapter": self.adapter,
                        "zero_stage": self.cfg.zero_stage, "parameters": parameter_count(self.engine.module),
-                       "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in params
-                                                   if p.requires_grad)})
+                       "trainable_parameters": parameter_count(self.engine.module, trainable_only=True)})
             buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
             last_arrival = time.monotonic()
             while not self._stop.is_set():

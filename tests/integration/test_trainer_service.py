@@ -84,8 +84,7 @@ async def _scratch_training(scratch_run, name: str):
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     s = get_settings()
-    tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"{name}-{tag}"), f"{name}-samples-{tag}", f"{name}-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = _scratch_names(scratch_run, name)
     await _vllm_ready(s.vllm_url)
     admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
     await admin.start()
@@ -338,6 +337,13 @@ def _toy_sample(i: int) -> dict:
             "group_rollouts": 2, "group_mean": 0.5, "group_std": 0.5}
 
 
+def _scratch_names(scratch_run, prefix: str) -> tuple[str, str, str]:
+    """A fresh ``(run, samples topic, checkpoints topic)`` for a test, the run registered with
+    ``scratch_run`` (removed afterwards)."""
+    tag = uuid.uuid4().hex[:8]
+    return scratch_run(f"{prefix}-{tag}"), f"{prefix}-samples-{tag}", f"{prefix}-checkpoints-{tag}"
+
+
 async def _produce(topic: str, first: int, n: int) -> None:
     from aiokafka import AIOKafkaProducer
 
@@ -422,8 +428,7 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
     """start=latest, SIGKILL before the first checkpoint, samples produced meanwhile: the
     restarted trainer starts at the marker, not at the new end (no sample skipped)."""
     s = get_settings()
-    tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"trcrash-{tag}"), f"trcrash-samples-{tag}", f"trcrash-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = _scratch_names(scratch_run, "trcrash")
     key = f"{samples_topic}:0"
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
@@ -495,8 +500,7 @@ async def test_two_rank_trainer_trains_each_sample_once_and_restarts_as_one_grou
     from spanrl.trainer import ranks
 
     s = get_settings()
-    tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"tr2-{tag}"), f"tr2-samples-{tag}", f"tr2-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = _scratch_names(scratch_run, "tr2")
     key = f"{samples_topic}:0"
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
@@ -564,8 +568,7 @@ async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack,
     from spanrl.trainer.train import build_engine, load_model
 
     s = get_settings()
-    tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"trminio-{tag}"), f"trminio-samples-{tag}", f"trminio-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = _scratch_names(scratch_run, "trminio")
     key = f"{samples_topic}:0"
     admin = await _topics(samples_topic, ckpt_topic)
     minio = checkpoint.make_client(s)
@@ -957,8 +960,7 @@ async def test_barrier_trainer_trains_exactly_the_requested_samples(tmp_path, li
     idle flush 0.2 s would have); asked to train up to offset 4: one update of exactly those 4
     (2 mini-batch steps), one checkpoint whose manifest consumed [0, 4); then up to 6: the rest.
     A stream trainer answers the request 409, a malformed one is 400."""
-    tag = uuid.uuid4().hex[:8]
-    run, samples_topic, ckpt_topic = scratch_run(f"trbar-{tag}"), f"trbar-samples-{tag}", f"trbar-checkpoints-{tag}"
+    run, samples_topic, ckpt_topic = _scratch_names(scratch_run, "trbar")
     admin = await _topics(samples_topic, ckpt_topic)
     try:
         await _produce(samples_topic, 0, 6)
