@@ -53,9 +53,15 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def assert_text(self, ids: list[int], text: str) -> None:
-        """``ids`` decode to ``text``, but for a character cut by ``max_tokens`` (its first bytes
-        decode to U+FFFD; vLLM's incremental detokenizer sends none of it)."""
-        assert self.decode(ids).rstrip("\ufffd") == text.rstrip("\ufffd")
+        """``ids`` decode to ``text``, but for a character cut by ``max_tokens``: vLLM's
+        incremental detokenizer sends nothing of a token whose bytes end inside a character,
+        not even the text before the cut in the same token (SmolLM2's id 40303 is a space plus
+        an emoji's first bytes), so such trailing tokens are dropped before comparing."""
+        decoded = self.decode(ids)
+        while ids and decoded.endswith("\ufffd"):
+            ids = ids[:-1]
+            decoded = self.decode(ids)
+        assert decoded == text
 
 
 @pytest.fixture(scope="module")
