@@ -9,7 +9,7 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate chaos
+.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -50,6 +50,14 @@ bench-sustained: bootstrap
 	$(PY) -m bench.run --mode sustained --rollouts 10000 --workers 2 --bridges 2 $(ARGS)
 bench-rate: bootstrap
 	$(PY) -m bench.run --mode rate --spans-per-s 1000 --duration-s 300 --batch-rollouts 8 $(ARGS)
+
+## Soak (issue 21): the sustained workload at a fixed rate with the trainer consuming, >= 1 h by
+## default (200 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in
+## = transitions = samples = trained, 0 duplicated, memory flat after the warm-up; starts Kafka and
+## MinIO if they are down. Writes bench/results/soak-<time>.{json,png,log}. Short:
+## ARGS="--duration-s 600 --warmup-s 180".
+soak: bootstrap
+	$(PY) -m bench.soak $(ARGS)
 
 ## Fault injection: SIGKILL each component mid-run, prove nothing lost or duplicated (results/chaos.json).
 chaos: bootstrap

@@ -119,3 +119,35 @@ def rollouts_for(spans_per_s: float, duration_s: float, spans_per_rollout: int) 
 def cpu_us_per_span(cpu_s: float, spans: int) -> float:
     """CPU microseconds per span: ``cpu_s * 1e6 / spans``; NaN when ``spans`` is 0."""
     return cpu_s * 1e6 / spans if spans else float("nan")
+
+
+def memory_trend(points: list[tuple[float, float]], warmup_s: float) -> dict:
+    """Least-squares line through a process's RSS samples after ``warmup_s``: is its memory flat?
+
+    ``points``: ``(t_s, rss_mib)`` sorted by time, t from the run's start. Returns
+    ``{"slope_mib_per_h", "growth_mib"`` (slope x the window's length), ``"mean_mib",
+    "first_mib", "last_mib", "window_s", "samples"}``; slope NaN with fewer than 2 samples or a
+    zero-length window. Raises ValueError for a negative ``warmup_s``.
+    """
+    if warmup_s < 0:
+        raise ValueError(f"warmup_s must be >= 0, got {warmup_s}")
+    pts = [(t, v) for t, v in points if t >= warmup_s]
+    n = len(pts)
+    if n < 2 or pts[-1][0] <= pts[0][0]:
+        nan = float("nan")
+        return {"slope_mib_per_h": nan, "growth_mib": nan, "mean_mib": pts[0][1] if pts else nan,
+                "first_mib": pts[0][1] if pts else nan, "last_mib": pts[-1][1] if pts else nan,
+                "window_s": 0.0, "samples": n}
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    slope = sum((t - mt) * (v - mv) for t, v in pts) / sum((t - mt) ** 2 for t, _ in pts)  # MiB per s
+    window = pts[-1][0] - pts[0][0]
+    return {"slope_mib_per_h": slope * 3600.0, "growth_mib": slope * window, "mean_mib": mv,
+            "first_mib": pts[0][1], "last_mib": pts[-1][1], "window_s": window, "samples": n}
+
+
+def is_flat(trend: dict, tolerance_frac: float = 0.05, tolerance_mib: float = 16.0) -> bool:
+    """Whether a :func:`memory_trend` is flat: the fitted growth over its window is at most
+    ``max(tolerance_frac x mean, tolerance_mib)`` MiB (a NaN trend is not flat)."""
+    g = trend["growth_mib"]
+    return not math.isnan(g) and g <= max(tolerance_frac * trend["mean_mib"], tolerance_mib)

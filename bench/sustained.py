@@ -146,16 +146,22 @@ class Sampler(threading.Thread):
                        for t, r in self.samples if name in r] for name in self.procs}
 
 
-def kafka_broker_pid() -> int | None:
-    """The stack's Kafka broker (``<state_dir>/pids/kafka.pid``, written by infra/stack.py)."""
+def stack_pid(service: str) -> int | None:
+    """A running service of the stack (``<state_dir>/pids/<service>.pid``, written by
+    infra/stack.py), or None."""
     from spanrl.core.settings import get_settings
 
     try:
-        pid = int((get_settings().state_dir / "pids" / "kafka.pid").read_text())
+        pid = int((get_settings().state_dir / "pids" / f"{service}.pid").read_text())
         os.kill(pid, 0)
         return pid
     except (OSError, ValueError):
         return None
+
+
+def kafka_broker_pid() -> int | None:
+    """The stack's Kafka broker."""
+    return stack_pid("kafka")
 
 
 # ---- spanrl --------------------------------------------------------------------------

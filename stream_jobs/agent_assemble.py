@@ -14,6 +14,12 @@ dead letters. The decisions are stream_jobs/assembly.py's; this is the plumbing 
   bound (a heap per role, stream_jobs/waitlist.py). After a rebalance both start empty;
   attempts then fall back to the settle_s grace;
 - the tick index (stream_jobs/ticking.py): the rollout states a tick visits;
+- the finished rollout states per partition (``ticking.FinishedStates``): beyond
+  ``SPANRL_STREAM_RETAIN_MAX`` of them the oldest are deleted at the next write on that
+  partition (also before ``SPANRL_STREAM_RETAIN_S``), so the table's size is bounded by a
+  setting, not by the rate times the retention time. An input of a deleted rollout starts a
+  fresh state (a span or reward without a lifecycle event ends ``unknown_rollout``; the
+  attempt's transitions went out long before);
 - a span of a proxy call with a ``traceparent`` also goes out as a trace link, re-keyed by
   trace id for the ``join`` agent (agent_join.py).
 """
@@ -31,7 +37,7 @@ from spanrl.stream_jobs.app_context import MAX_RECORD_BYTES, AppContext, key_tex
 from spanrl.stream_jobs.app_ticks import ticked
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.spans_reader import SpansReader
-from spanrl.stream_jobs.ticking import TickIndex
+from spanrl.stream_jobs.ticking import FinishedStates, TickIndex, evict_finished
 from spanrl.stream_jobs.waitlist import InputsWaitlist
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,7 @@ class Assembler:
         self.positions: dict[int, dict[str, int]] = {}
         self.waiting: dict[int, InputsWaitlist] = {}
         self.index = TickIndex()  # the rollout states a tick visits (stream_jobs/ticking.py)
+        self.finished = FinishedStates()  # finished states per partition, oldest first (the count bound)
         # ticks judge timeouts behind the wall clock while a backlog is read (stream_jobs/clock.py)
         self.clock = TimeoutClock()
         self.spans_reader = SpansReader(cfg.bootstrap, cfg.claim_retry_s, MAX_RECORD_BYTES)
@@ -134,14 +141,20 @@ class Assembler:
         restart): the waitlist hands it back the moment the positions no longer hold it."""
         p = state["partition"]
         due = assembly.tick_due(state, self.ctx.assembly_cfg, self.ctx.cfg.retain_s, self.positions.get(p))
+        self.finished.note(p, state["rollout_id"], assembly.expires_at(state, self.ctx.cfg.retain_s) is not None)
         if due == TickIndex.NEVER:
             self.note_waiting(p, state["rollout_id"], state)
         return due
 
     def put(self, rid: str, state: dict) -> None:
-        """Write the state (a changelog record) and re-index it at its next tick time."""
+        """Write the state (a changelog record) and re-index it at its next tick time; then
+        delete the partition's oldest finished states beyond ``SPANRL_STREAM_RETAIN_MAX``
+        (tombstones in the same transaction)."""
+        p = state["partition"]
         self.rollouts[rid] = state
-        self.index.note(state["partition"], rid, self.expiry(state))
+        self.index.note(p, rid, self.expiry(state))
+        self.ctx.metrics.counters["rollouts_evicted"] += evict_finished(
+            self.rollouts, self.index, self.finished, p, self.ctx.cfg.retain_max)
 
     async def inputs_bound(self, partition: int) -> dict[str, int]:
         """End offsets (high watermarks) of the spans and rewards partitions ``partition``,
@@ -193,6 +206,7 @@ class Assembler:
         if assembly.expired(state, now, self.ctx.cfg.retain_s):
             del self.rollouts[rid]
             self.index.drop(state["partition"], rid)
+            self.finished.drop(state["partition"], rid)
             return
         p = state.get("partition")
         out = await self.advance(state, now, self.positions.get(p))
@@ -267,6 +281,7 @@ class Assembler:
         self.waiting.pop(partition, None)
         self.calls.pop(partition, None)  # the next owner re-reads what it needs from spans
         self.index.forget(partition)
+        self.finished.forget(partition)
 
     async def stop(self) -> None:
         """Stop the end-offsets reader, if one was made."""

@@ -5,6 +5,13 @@ The transitions waiting in open groups are held per partition in this worker's m
 as their Avro records (stream_jobs/transition_store.py): the group state keeps each one's
 position on ``transitions``, and a worker that restores a state without them re-reads them
 (:meth:`Grouper.reread_transitions`) before the state is next updated.
+
+A task state with no open group and no late member waiting (``grouping.tick_due`` is NEVER)
+is finished until the task's next transition; beyond ``SPANRL_STREAM_RETAIN_MAX`` such states
+per partition the oldest are deleted (``ticking.FinishedStates``), so a run whose task ids do
+not repeat (production agents, one task per conversation) holds a bounded table. A deleted
+task's next transition starts it afresh: its group numbering restarts at ``<task>/0`` and a
+short group it closed can no longer take late members (they form a group of their own).
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from spanrl.stream_jobs.app_context import MAX_RECORD_BYTES, AppContext, now_ms
 from spanrl.stream_jobs.app_ticks import ticked
 from spanrl.stream_jobs.clock import TimeoutClock
 from spanrl.stream_jobs.spans_reader import SpansReader
-from spanrl.stream_jobs.ticking import TickIndex
+from spanrl.stream_jobs.ticking import FinishedStates, TickIndex, evict_finished
 from spanrl.stream_jobs.transition_store import TransitionStore
 
 
@@ -27,6 +34,7 @@ class Grouper:
         self.groups = ctx.tables.groups
         self.stores: dict[int, TransitionStore] = {}
         self.index = TickIndex()  # the task states a tick visits: at their groups' time-outs (grouping.tick_due)
+        self.finished = FinishedStates()  # task states without an open group, oldest first (the count bound)
         self.clock = TimeoutClock()
         cfg = ctx.cfg
         self.transitions_reader = SpansReader(cfg.bootstrap, cfg.claim_retry_s, MAX_RECORD_BYTES)
@@ -39,13 +47,19 @@ class Grouper:
         return store
 
     def expiry(self, state: dict) -> int | None:
-        """The state's next tick time (grouping.tick_due)."""
-        return grouping.tick_due(state, self.ctx.grouping_cfg)
+        """The state's next tick time (grouping.tick_due); notes whether it is finished."""
+        due = grouping.tick_due(state, self.ctx.grouping_cfg)
+        self.finished.note(state["partition"], state["task_id"], due == grouping.NEVER)
+        return due
 
     def put(self, tid: str, state: dict) -> None:
-        """Write the state (a changelog record) and re-index it at its next tick time."""
+        """Write the state (a changelog record) and re-index it at its next tick time; then
+        delete the partition's oldest finished task states beyond ``SPANRL_STREAM_RETAIN_MAX``."""
+        p = state["partition"]
         self.groups[tid] = state
-        self.index.note(state["partition"], tid, self.expiry(state))
+        self.index.note(p, tid, self.expiry(state))
+        self.ctx.metrics.counters["tasks_evicted"] += evict_finished(
+            self.groups, self.index, self.finished, p, self.ctx.cfg.retain_max)
 
     async def reread_transitions(self, state: dict) -> TransitionStore:
         """The state's partition's transition store, with every waiting transition of
@@ -106,3 +120,4 @@ class Grouper:
         (the next owner re-reads what it needs from transitions)."""
         self.stores.pop(partition, None)
         self.index.forget(partition)
+        self.finished.forget(partition)

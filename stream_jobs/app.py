@@ -89,6 +89,8 @@ class StreamConfig:
     #: a production rollout (no runner) ends after this long without input (assembly.production_end)
     production_idle_s: float = _S("production_idle_s")
     retain_s: float = _S("stream_retain_s")
+    #: finished states kept per partition of each table (stream_jobs/ticking.py FinishedStates)
+    retain_max: int = _S("stream_retain_max")
     tick_s: float = _S("stream_tick_s")
     commit_interval_s: float = _S("stream_commit_interval_s")
     linger_s: float = _S("stream_linger_s")
@@ -130,6 +132,7 @@ class StreamConfig:
             settle_s=st.settle_s,
             production_idle_s=st.production_idle_s,
             retain_s=st.stream_retain_s,
+            retain_max=st.stream_retain_max,
             tick_s=st.stream_tick_s,
             commit_interval_s=st.stream_commit_interval_s,
             linger_s=st.stream_linger_s,

@@ -33,18 +33,28 @@ def counters_json(m: WorkerCounters, calls_held: int, transitions_held: int) -> 
         "late_rewards_emitted": counters["late_rewards_emitted"], "calls_held": calls_held,
         "transitions_held": transitions_held,
         "transitions_reread": counters["transitions_reread"],
+        # finished states deleted by the count bound (SPANRL_STREAM_RETAIN_MAX) before their time
+        "rollouts_evicted": counters["rollouts_evicted"], "tasks_evicted": counters["tasks_evicted"],
     }
 
 
 def partitions_held(a: Assembler) -> dict[str, dict]:
     """Per partition: the emission rule's positions, rollouts waiting for them, the tick
-    index (scanned, live keys, finished keys due) and the calls' token data held."""
+    index (scanned, live keys, finished keys due), the finished rollout states the count bound
+    tracks and the calls' token data held."""
     parts = sorted(set(a.positions) | set(a.waiting) | set(a.calls))
     return {str(p): {
         "positions": a.positions.get(p), "waiting": len(a.waiting.get(p, ())),
         "index_scanned": a.index.scanned(p),
         **dict(zip(("index_live", "index_due"), a.index.size(p))), "calls_held": len(a.calls.get(p, ())),
+        "rollouts_finished": a.finished.count(p),
     } for p in parts}
+
+
+def tables_held(tables: dict[str, Any]) -> dict[str, int]:
+    """``/spanrl/held/``'s ``tables``: states each table holds in this worker's memory now
+    (its active and standby partitions), by table name."""
+    return {name: len(table) for name, table in tables.items()}
 
 
 def rollout_held(a: Assembler, rid: str) -> dict | None:
@@ -109,7 +119,12 @@ class WebViews:
         waiting for them, the tick index (live keys, finished keys due), calls' token data.
         ``?rollout=<id>``: that rollout's state and where the worker has it (chaos forensics:
         an attempt that never left)."""
-        out: dict[str, Any] = {"partitions": partitions_held(self.assembler)}
+        t = self.ctx.tables
+        out: dict[str, Any] = {"partitions": partitions_held(self.assembler),
+                               "tables": tables_held({"rollouts": t.rollouts, "groups": t.groups,
+                                                      "traces": t.traces, "orphans": t.orphans}),
+                               "tasks_finished": self.grouper.finished.total(),
+                               "retain_max": self.ctx.cfg.retain_max}
         rid = request.query.get("rollout")
         if rid:
             out["rollout"] = rollout_held(self.assembler, rid)

@@ -83,3 +83,65 @@ class TickIndex:
     def size(self, partition: int) -> tuple[int, int]:
         """(live keys, finished keys) of ``partition``."""
         return len(self._live.get(partition, ())), len(self._due.get(partition, {}))
+
+
+class FinishedStates:
+    """Per partition, the keys of a table's *finished* states (nothing left to wait for: kept
+    only so that re-deliveries stay no-ops) in the order they were first seen finished, so that
+    at most ``keep`` of them stay (:meth:`excess`): the worker's memory is bounded by
+    ``SPANRL_STREAM_RETAIN_MAX`` as well as by ``SPANRL_STREAM_RETAIN_S`` (issue 21). A state
+    that opens again (a new attempt, a new group) leaves the list; one seen finished again goes
+    to its end. Rebuilt like the tick index (the scan after a restart or rebalance), then in the
+    scan's order. Not state: memory of this worker only."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, dict[str, None]] = {}
+
+    def note(self, partition: int, key: str, finished: bool) -> None:
+        """The state ``key`` of ``partition`` was written or scanned: finished or not."""
+        keys = self._keys.setdefault(partition, {})
+        keys.pop(key, None)
+        if finished:
+            keys[key] = None
+
+    def drop(self, partition: int, key: str) -> None:
+        """The state ``key`` was deleted."""
+        self._keys.get(partition, {}).pop(key, None)
+
+    def excess(self, partition: int, keep: int) -> list[str]:
+        """The oldest finished keys of ``partition`` beyond the newest ``keep`` (to be deleted
+        by the caller), no longer tracked. ``keep`` >= 1, else ValueError."""
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        keys = self._keys.get(partition, {})
+        n = len(keys) - keep
+        if n <= 0:
+            return []
+        doomed = [k for k, _ in zip(keys, range(n))]
+        for k in doomed:
+            del keys[k]
+        return doomed
+
+    def forget(self, partition: int) -> None:
+        """Drop the partition's list (revoked; rebuilt by the next scan)."""
+        self._keys.pop(partition, None)
+
+    def count(self, partition: int) -> int:
+        """Finished keys tracked for ``partition``."""
+        return len(self._keys.get(partition, ()))
+
+    def total(self) -> int:
+        """Finished keys tracked over every partition."""
+        return sum(map(len, self._keys.values()))
+
+
+def evict_finished(table, index: TickIndex, finished: FinishedStates, partition: int, keep: int) -> int:
+    """Delete from ``table`` (a Faust table: a changelog tombstone each, in the current event's
+    transaction) the oldest finished states of ``partition`` beyond ``keep``
+    (:meth:`FinishedStates.excess`) and take them off ``index``; returns how many went."""
+    doomed = finished.excess(partition, keep)
+    for key in doomed:
+        if table.get(key) is not None:
+            del table[key]
+        index.drop(partition, key)
+    return len(doomed)

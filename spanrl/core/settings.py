@@ -379,6 +379,9 @@ class StreamSettings(Section):
     production_idle_s: float = setting(300.0, "a production rollout with no input this long ends "
                                        "(`assembly.production_end`)", unit="s", readers="stream")
     stream_retain_s: float = setting(3600.0, "how long finished-rollout markers stay", unit="s", readers="stream")
+    stream_retain_max: int = setting(10000, "finished states each table keeps per partition (rollouts, tasks "
+                                     "without an open group); beyond it the oldest go, also before "
+                                     "`SPANRL_STREAM_RETAIN_S`", readers="stream")
     stream_tick_s: float = setting(0.5, "tick period (timeouts are evaluated on ticks)", unit="s", readers="stream")
     stream_commit_interval_s: float = setting(0.5, "Faust's broker commit interval (outputs become visible at "
                                               "commits)", unit="s", readers="stream")
@@ -393,6 +396,13 @@ class StreamSettings(Section):
     @classmethod
     def _switch(cls, value):
         return _falsy_off(value)
+
+    @field_validator("stream_retain_max")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1 (finished states kept per partition), got {value}")
+        return value
 
 
 class DashboardSettings(Section):

@@ -98,3 +98,36 @@ def test_exporters_for_rounds_up_to_a_multiple_of_the_bridges():
     assert exporters_for(Namespace(exporters=None, mode="rate"), 1) == 4
     assert exporters_for(Namespace(exporters=None, mode="rate"), 3) == 6
     assert exporters_for(Namespace(exporters=3, mode="sustained"), 2) == 4
+
+
+def test_memory_trend_fits_after_the_warm_up():
+    # 100 MiB until t=10 (warm-up), then 200 + 1 MiB per 100 s: slope 36 MiB/h, growth 3 MiB over 300 s
+    pts = [(0.0, 100.0), (5.0, 150.0)] + [(10.0 + 100 * i, 200.0 + i) for i in range(4)]
+    tr = M.memory_trend(pts, warmup_s=10.0)
+    assert tr["slope_mib_per_h"] == pytest.approx(36.0)
+    assert tr["growth_mib"] == pytest.approx(3.0)
+    assert (tr["mean_mib"], tr["first_mib"], tr["last_mib"], tr["window_s"], tr["samples"]) == (
+        201.5, 200.0, 203.0, 300.0, 4)
+    assert M.is_flat(tr)                              # 3 MiB <= max(5 % of 201.5, 16)
+    assert not M.is_flat(tr, tolerance_frac=0.01, tolerance_mib=2.0)
+    assert M.is_flat(M.memory_trend([(0, 500.0), (60, 400.0)], 0))   # shrinking is flat
+    short = M.memory_trend([(0.0, 1.0), (1.0, 2.0)], warmup_s=1.0)
+    assert math.isnan(short["slope_mib_per_h"]) and short["samples"] == 1 and not M.is_flat(short)
+    with pytest.raises(ValueError, match="warmup_s"):
+        M.memory_trend(pts, -1)
+
+
+def test_soak_checks_and_tasks():
+    from bench import soak
+
+    assert [soak.task_of(i) for i in (0, 3, 4, 9)] == ["task-0", "task-0", "task-1", "task-2"]
+    flat = M.memory_trend([(0, 100.0), (100, 101.0)], 0) | {"flat": True}
+    res = {"expected": {"calls_in": 10}, "transitions": 10, "samples_out": 9, "warm_up": {"rollouts": 2, "samples": 10},
+           "workload": {"shape": {"llm_calls": 5}}, "trainer": {"samples_received": 19, "updates": 2},
+           "duplicates": {"transitions": 0, "samples": 1}, "dead_letters_total": {},
+           "rate_behind_max_s": 61.0, "memory": {"worker0": flat}}
+    c = soak.checks(res)
+    assert {k: v["ok"] for k, v in c.items()} == {
+        "transitions_out": True, "samples_out": False, "warm_up_samples": True, "trainer_received": True,
+        "no_duplicates": False, "no_dead_letters": True, "rate_kept": False, "memory_flat_worker0": True}
+    assert c["samples_out"]["detail"] == "9 of 10"

@@ -68,7 +68,7 @@ def test_input_kinds_of_a_config():
 
 def test_counters_json():
     m = WorkerCounters()
-    m.counters.update({"spans_in": 3, "transitions_out": 2, "spans_joined": 1})
+    m.counters.update({"spans_in": 3, "transitions_out": 2, "spans_joined": 1, "rollouts_evicted": 7})
     m.dead_reasons["late_span"] += 1
     m.agent_counts.update({("solver", "trained"): 2, ("critic", "excluded"): 1})
     m.emitted_by["inputs_acked"] += 2
@@ -79,7 +79,7 @@ def test_counters_json():
         "trace_links_out": 0, "trace_links_in": 0, "orphans_in": 0, "spans_joined": 1,
         "inputs_bounds_read": 0, "emitted_by": {"inputs_acked": 2},
         "attempts_parked": 0, "spans_reread": 0, "late_rewards_emitted": 0, "calls_held": 4,
-        "transitions_held": 5, "transitions_reread": 0}
+        "transitions_held": 5, "transitions_reread": 0, "rollouts_evicted": 7, "tasks_evicted": 0}
 
 
 def test_health():

@@ -49,3 +49,25 @@ def test_never_due_keys_leave_the_index():
     ix.note(0, "open", TickIndex.NEVER)   # its group closed
     ix.note(0, "closed", None)            # a new transition opened a group
     assert ix.visit(0, 10**12) == ["closed"]
+
+
+def test_finished_states_keep_the_newest_per_partition():
+    import pytest
+
+    from spanrl.stream_jobs.ticking import FinishedStates
+
+    f = FinishedStates()
+    for key in ("a", "b", "c", "d"):
+        f.note(0, key, True)
+    f.note(1, "x", True)
+    f.note(0, "b", False)          # b opened again (a new attempt): not finished
+    f.note(0, "a", True)           # a seen finished again: now the newest
+    assert (f.count(0), f.count(1), f.total()) == (3, 1, 4)
+    assert f.excess(0, 3) == []
+    assert f.excess(0, 1) == ["c", "d"] and f.count(0) == 1   # oldest first, no longer tracked
+    assert f.excess(0, 1) == [] and f.excess(1, 1) == []
+    f.drop(0, "a")
+    f.forget(1)
+    assert f.total() == 0
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        f.excess(0, 0)
