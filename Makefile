@@ -52,7 +52,7 @@ bench-rate: bootstrap
 	$(PY) -m bench.run --mode rate --spans-per-s 1000 --duration-s 300 --batch-rollouts 8 $(ARGS)
 
 ## Soak (issue 21): the sustained workload at a fixed rate with the trainer consuming, >= 1 h by
-## default (200 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in
+## default (80 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in
 ## = transitions = samples = trained, 0 duplicated, memory flat after the warm-up; starts Kafka and
 ## MinIO if they are down. Writes bench/results/soak-<time>.{json,png,log}. Short:
 ## ARGS="--duration-s 600 --warmup-s 180".

@@ -1,7 +1,7 @@
 """Soak: the sustained workload at a fixed rate for an hour or more, with the trainer consuming;
 is every process's memory flat, and does every call come out once? (issue 21)
 
-    make soak                                   # 200 spans/s for 65 min, 15 min warm-up
+    make soak                                   # 80 spans/s for 65 min, 15 min warm-up
     make soak ARGS="--duration-s 600 --warmup-s 180 --spans-per-s 120"
 
 Kafka and MinIO of the local stack are started if they are not (nothing else: no vLLM). One
@@ -12,8 +12,10 @@ rollouts grouped by task: rollouts 4k..4k+3 are the 4 members of task k (``group
 rewards 0, 1, 0, 1), so every group closes complete and every transition becomes a sample.
 Task ids never repeat (as with production agents), so both the rollout and the task tables
 grow with the run unless their bound holds: the worker runs with
-``SPANRL_STREAM_RETAIN_MAX=--retain-max`` (1,000 by default, so the bound is reached inside the
-warm-up; the setting's default is 10,000).
+``SPANRL_STREAM_RETAIN_MAX=--retain-max`` (300 by default, so that both tables reach the bound
+inside the warm-up; the setting's default is 10,000). The default rate, 80 spans/s (10 rollouts,
+50 samples a second), is one the trainer below keeps up with on 2 cores beside the pipeline (it
+trained ~66 samples/s there; at 200 spans/s it fell behind).
 
 The trainer: ``python -m spanrl.trainer.train`` on the samples topic with a random 2-layer
 Qwen2 (hidden 32; SmolLM2's vocabulary and tokenizer) so that it keeps up on a CPU: one thread,
@@ -427,10 +429,10 @@ def plot(res: dict, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spans-per-s", type=float, default=200.0, help="offered spans/s (8 spans per rollout)")
+    p.add_argument("--spans-per-s", type=float, default=80.0, help="offered spans/s (8 spans per rollout)")
     p.add_argument("--duration-s", type=float, default=3900.0, help="seconds offered")
     p.add_argument("--warmup-s", type=float, default=900.0, help="memory trends are fitted after this")
-    p.add_argument("--retain-max", type=int, default=1000, help="the worker's SPANRL_STREAM_RETAIN_MAX")
+    p.add_argument("--retain-max", type=int, default=300, help="the worker's SPANRL_STREAM_RETAIN_MAX")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--completion-tokens", type=int, default=16)
     p.add_argument("--batch-rollouts", type=int, default=16, help="rollouts per OTLP export (a multiple of 4)")

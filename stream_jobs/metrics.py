@@ -28,6 +28,8 @@ WORKER_COUNTERS = {
     "spans_joined": "orphan spans joined to a rollout and sent to spans",
     "spans_reread": "calls whose token data were re-read from spans (late rewards; after a restart or rebalance)",
     "transitions_reread": "waiting transitions re-read from transitions after a restart or rebalance",
+    "rollouts_evicted": "finished rollout states deleted by SPANRL_STREAM_RETAIN_MAX before SPANRL_STREAM_RETAIN_S",
+    "tasks_evicted": "task states without an open group deleted by SPANRL_STREAM_RETAIN_MAX",
 }
 
 

@@ -736,6 +736,19 @@ def base_model_id(base_dir: Path) -> str:
     return Path(base_dir).name
 
 
+def fetch_limit(batching: str, good: int, min_batch: int, max_batch: int, fetch_max: int = 1000) -> int:
+    """How many records the trainer's next fetch of ``samples`` may add to its buffer, which
+    holds ``good`` decodable samples: in ``stream`` batching enough to fill one update
+    (``max(min_batch, max_batch) - good``, 0: train before reading more), so that a trainer
+    slower than the samples' rate holds at most an update's worth in memory and leaves the rest
+    in Kafka (before issue 21 it read ``fetch_max`` per fetch and trained ``max_batch`` of them:
+    the buffer, and the process, grew for as long as it was behind); in ``barrier`` batching
+    ``fetch_max`` (the buffer must reach the requested offsets). At most ``fetch_max``."""
+    if batching == "barrier":
+        return fetch_max
+    return max(0, min(fetch_max, max(min_batch, max_batch) - good))
+
+
 def resume_plan(kafka_latest: int | None, store_latest: int | None) -> tuple[int, bool, int | None]:
     """Where a trainer resumes: ``(version, announce, gone)``.
 
@@ -1192,8 +1205,10 @@ class Trainer:
                        "trainable_parameters": parameter_count(self.engine.module, trainable_only=True)})
             buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
             last_arrival = time.monotonic()
+            good = 0
             while not self._stop.is_set():
-                batch = await consumer.getmany(timeout_ms=500, max_records=1000)
+                room = fetch_limit(self.cfg.batching, good, self.cfg.min_batch, self.cfg.max_batch)
+                batch = await consumer.getmany(timeout_ms=500, max_records=room) if room else {}
                 for tp, msgs in batch.items():
                     for m in msgs:
                         last_arrival = time.monotonic()
@@ -1224,6 +1239,7 @@ class Trainer:
                     if not (good >= self.cfg.min_batch or (good > 0 and idle)):
                         continue
                     buffer = await self._update(buffer, pad_id)
+                    good = sum(1 for _, _, s in buffer if s is not None)
                 if self.cfg.max_updates and self.state.updates >= self.cfg.max_updates:
                     break
         finally:

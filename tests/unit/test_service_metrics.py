@@ -71,7 +71,7 @@ def test_worker_families_from_the_counters_page_numbers():
     assert got[("spanrl_worker_dead_letters_total", (("reason", "rollout_timeout"),))] == 2.0
     assert got[("spanrl_worker_calls_total", (("agent", "math_agent"), ("trained", "true")))] == 3.0
     assert got[("spanrl_worker_calls_total", (("agent", "(unresolved)"), ("trained", "false")))] == 1.0
-    assert len(got) == 13 + 3  # WORKER_COUNTERS + dead letters by reason + calls by agent
+    assert len(got) == 15 + 3  # WORKER_COUNTERS + dead letters by reason + calls by agent
 
 
 def test_trainer_families_from_its_status():

@@ -99,3 +99,15 @@ def test_reinforce_pp_normalises_the_credited_reward_grpo_keeps_the_group_advant
     assert sample_advantages(smp, "grpo") == [1.0, 1.0, -1.0, -1.0]
     with pytest.raises(ValueError, match="unknown algorithm"):
         sample_advantages(smp, "ppo")
+
+
+def test_fetch_limit_holds_one_update_in_stream_batching():
+    from spanrl.trainer.train import fetch_limit
+
+    assert fetch_limit("stream", 0, 16, 64) == 64            # an empty buffer: one update's worth
+    assert fetch_limit("stream", 40, 16, 64) == 24
+    assert fetch_limit("stream", 64, 16, 64) == 0            # full: train before reading more
+    assert fetch_limit("stream", 70, 16, 64) == 0
+    assert fetch_limit("stream", 0, 512, 64) == 512          # min_batch above max_batch: it can still start
+    assert fetch_limit("stream", 0, 16, 5000) == 1000        # never more than one fetch's worth
+    assert fetch_limit("barrier", 5000, 16, 64) == 1000      # barrier: read on to the requested offsets
