@@ -23,6 +23,8 @@ class TickIndex:
     :data:`NEVER`: finished and never due (kept in the table, no tick needs it)."""
 
     NEVER = -1
+    #: stale heap entries tolerated beyond twice the due ones before :meth:`drop` rebuilds the heap
+    COMPACT_SLACK = 64
 
     def __init__(self) -> None:
         self._live: dict[int, set[str]] = {}
@@ -58,9 +60,21 @@ class TickIndex:
                 heapq.heappush(self._heap.setdefault(partition, []), (expires_at, key))
 
     def drop(self, partition: int, key: str) -> None:
-        """The state ``key`` was deleted."""
+        """The state ``key`` was deleted. Its heap entry stays until it surfaces (lazy deletion),
+        unless stale entries outnumber the live ones: then the heap is rebuilt from the due
+        times (a state deleted by ``SPANRL_STREAM_RETAIN_MAX`` would otherwise keep its entry,
+        and its key, until its expiry ``SPANRL_STREAM_RETAIN_S`` later)."""
         self._live.get(partition, set()).discard(key)
-        self._due.get(partition, {}).pop(key, None)
+        due = self._due.get(partition, {})
+        due.pop(key, None)
+        heap = self._heap.get(partition)
+        if heap is not None and len(heap) > 2 * len(due) + self.COMPACT_SLACK:
+            self._heap[partition] = [(t, k) for k, t in due.items()]
+            heapq.heapify(self._heap[partition])
+
+    def heap_size(self, partition: int) -> int:
+        """Entries in the partition's expiry heap, stale ones included."""
+        return len(self._heap.get(partition, ()))
 
     def visit(self, partition: int, now_ms: int) -> list[str]:
         """Keys a tick at ``now_ms`` visits: every live key (sorted) and every finished key

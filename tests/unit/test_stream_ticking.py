@@ -71,3 +71,15 @@ def test_finished_states_keep_the_newest_per_partition():
     assert f.total() == 0
     with pytest.raises(ValueError, match="keep must be >= 1"):
         f.excess(0, 0)
+
+
+def test_dropped_keys_do_not_keep_heap_entries_until_their_expiry():
+    ix = TickIndex()
+    ix.rebuild(0, [], expires_at=lambda s: s)
+    for i in range(200):
+        ix.note(0, f"k{i}", 10_000 + i)
+    for i in range(190):                       # deleted long before they expire (the count bound)
+        ix.drop(0, f"k{i}")
+    # rebuilt once stale entries passed 2 x due + 64: at most that many entries remain
+    assert ix.size(0) == (0, 10) and ix.heap_size(0) <= 2 * 10 + TickIndex.COMPACT_SLACK
+    assert ix.visit(0, 20_000) == [f"k{i}" for i in range(190, 200)]
