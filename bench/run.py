@@ -109,6 +109,7 @@ class SpanrlSide:
                       ("spans", "rewards", "rollouts", "tasks", "dead-letter", "transitions", "samples",
                        "orphan-spans")}
         self.bridge = self.worker = None
+        self.worker_env: dict[str, str] = {}  # more settings of the Faust workers (e.g. bench.soak's bound)
         self.workdir = RESULTS / "tmp" / self.id
         self.seen: dict[str, list[float]] = {}   # rollout_id -> arrival times of its transitions
         self.sizes: dict[str, list[int]] = {}    # rollout_id -> avro sizes
@@ -174,7 +175,8 @@ class SpanrlSide:
                 "SPANRL_ROLLOUTS_TOPIC": self.names["rollouts"],
                 "SPANRL_TRANSITIONS_TOPIC": self.names["transitions"],
                 "SPANRL_SAMPLES_TOPIC": self.names["samples"], "SPANRL_DEAD_LETTER_TOPIC": self.names["dead-letter"],
-                "SPANRL_ORPHAN_SPANS_TOPIC": self.names["orphan-spans"], "SPANRL_SETTLE_S": str(self.a.settle_s)}
+                "SPANRL_ORPHAN_SPANS_TOPIC": self.names["orphan-spans"], "SPANRL_SETTLE_S": str(self.a.settle_s),
+                **self.worker_env}
         # None: the worker's own defaults (spanrl.stream_jobs.app.StreamConfig)
         for var, value in (("SPANRL_STREAM_TICK_S", self.a.tick_s),
                            ("SPANRL_STREAM_COMMIT_INTERVAL_S", self.a.commit_interval_s)):

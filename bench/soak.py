@@ -94,6 +94,7 @@ class SoakSide(SpanrlSustained):
         self.n_warm_samples = 0
         self.held: list = []
         self.holding = True
+        self.worker_env = {"SPANRL_STREAM_RETAIN_MAX": str(a.retain_max)}
 
     async def create_topics(self) -> None:
         import dataclasses
@@ -103,13 +104,6 @@ class SoakSide(SpanrlSustained):
 
         await super().create_topics()
         await create_topics(self.bootstrap, (dataclasses.replace(T.CHECKPOINTS, name=self.prefix + "checkpoints"),))
-
-    def start_worker(self, web_port: int, cwd: Path, name: str) -> subprocess.Popen:
-        os.environ["SPANRL_STREAM_RETAIN_MAX"] = str(self.a.retain_max)  # the worker's environment
-        try:
-            return super().start_worker(web_port, cwd, name)
-        finally:
-            del os.environ["SPANRL_STREAM_RETAIN_MAX"]
 
     def start(self) -> None:
         super().start()

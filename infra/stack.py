@@ -120,7 +120,10 @@ class Stack:
         comps = [
             Component(
                 "kafka",
-                ["java", "-Xms256m", "-Xmx768m", "-cp", f"{kafka_libs}/*", "kafka.Kafka",
+                # the heap committed and touched at start (-Xms = -Xmx, AlwaysPreTouch), as Kafka's
+                # docs advise: with -Xms256m the broker's RSS grew in steps towards -Xmx for an hour
+                # (make soak, BENCHMARKS.md "Soak"), so its memory looked like a leak
+                ["java", "-Xms768m", "-Xmx768m", "-XX:+AlwaysPreTouch", "-cp", f"{kafka_libs}/*", "kafka.Kafka",
                  str(self.state / "kafka" / "server.properties")],
                 health=lambda: _tcp_open(s.host, s.kafka_port),
                 prepare=self._prepare_kafka,
