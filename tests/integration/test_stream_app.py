@@ -236,7 +236,7 @@ def test_stream_app_end_to_end(tmp_path, kafka_minio):
                         # no terminal event says inputs_acked: all let out by the settle time
                         "inputs_bounds_read": 0, "emitted_by": {"settle_s": 4},
                         "attempts_parked": 0, "spans_reread": 0, "late_rewards_emitted": 0, "calls_held": 0,
-                        "transitions_held": 0, "transitions_reread": 0}
+                        "transitions_held": 0, "transitions_reread": 0, "rollouts_evicted": 0, "tasks_evicted": 0}
 
 
 # ---------------------------------------------------------------- helpers of the tests below
