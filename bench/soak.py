@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench import metrics as M
 from bench.run import RESULTS, machine_info, stop
-from bench.sustained import Log, Sampler, SpanrlSustained, kafka_broker_pid, stack_pid
+from bench.sustained import WARMUP_ROLLOUTS, Log, Sampler, SpanrlSustained, kafka_broker_pid, stack_pid
 from bench.workload import RolloutPool, Shape, export_ok
 
 GROUP_SIZE = 4
@@ -338,7 +338,7 @@ async def _run_with_checks(a, side: SoakSide, n: int, sampler: Sampler, log: Log
         res.update({
             "trainer": {"updates": len(side.trainer_events("update")), "samples_received": received,
                         "running_at_end": side.trainer is not None and side.trainer.poll() is None},
-            "samples_out": side.n_samples, "warm_up": {"rollouts": 16, "samples": side.n_warm_samples},
+            "samples_out": side.n_samples, "warm_up": {"rollouts": WARMUP_ROLLOUTS, "samples": side.n_warm_samples},
             "dead_letters_total": side.dead_letters(),
             "duplicates": {"transitions": side.dup_transitions, "samples": side.dup_samples},
             "expected": {"calls_in": expected}, "held": side.held, "t_poll0": t_poll0})

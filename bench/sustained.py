@@ -146,6 +146,10 @@ class Sampler(threading.Thread):
                        for t, r in self.samples if name in r] for name in self.procs}
 
 
+#: rollouts sent through the whole pipeline before a run's clock starts (their ids start with "w")
+WARMUP_ROLLOUTS = 16
+
+
 def stack_pid(service: str) -> int | None:
     """A running service of the stack (``<state_dir>/pids/<service>.pid``, written by
     infra/stack.py), or None."""
@@ -301,8 +305,8 @@ class SpanrlSustained(SpanrlSide):
                 for j in range(n_feed)]
         out: dict = {"workers": self.n_workers, "bridges": self.n_bridges, "topics": self.prefix + "*"}
         try:
-            # warm-up: 16 rollouts (every partition) through each bridge and the whole pipeline
-            warm = [f"w{self.id}-{i}" for i in range(16)]
+            # warm-up: WARMUP_ROLLOUTS rollouts (every partition) through each bridge and the whole pipeline
+            warm = [f"w{self.id}-{i}" for i in range(WARMUP_ROLLOUTS)]
             for j in range(self.n_bridges):
                 await self._send_batch(producer, exps[j], warm[j::self.n_bridges], 0)
             await self.wait_for(warm, 180)

@@ -135,7 +135,8 @@ class Assembler:
         return out
 
     def expiry(self, state: dict) -> int | None:
-        """The state's next tick time (assembly.tick_due). ``NEVER`` (an attempt's inputs bound
+        """The state's next tick time (assembly.tick_due); notes whether it is finished (the
+        count bound's list). ``NEVER`` (an attempt's inputs bound
         is known not to be passed yet) takes it off every tick, so it is put on the waitlist
         here, whichever path computed it (a record, a tick, the index's rebuild after a
         restart): the waitlist hands it back the moment the positions no longer hold it."""

@@ -101,8 +101,8 @@ class TickIndex:
 
 class FinishedStates:
     """Per partition, the keys of a table's *finished* states (nothing left to wait for: kept
-    only so that re-deliveries stay no-ops) in the order they were first seen finished, so that
-    at most ``keep`` of them stay (:meth:`excess`): the worker's memory is bounded by
+    only so that re-deliveries stay no-ops) in the order they were last written or scanned
+    finished, so that at most ``keep`` of them stay (:meth:`excess`): the worker's memory is bounded by
     ``SPANRL_STREAM_RETAIN_MAX`` as well as by ``SPANRL_STREAM_RETAIN_S`` (issue 21). A state
     that opens again (a new attempt, a new group) leaves the list; one seen finished again goes
     to its end. Rebuilt like the tick index (the scan after a restart or rebalance), then in the

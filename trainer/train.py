@@ -1205,7 +1205,7 @@ class Trainer:
                        "trainable_parameters": parameter_count(self.engine.module, trainable_only=True)})
             buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
             last_arrival = time.monotonic()
-            good = 0
+            good = 0  # decodable samples in the buffer
             while not self._stop.is_set():
                 room = fetch_limit(self.cfg.batching, good, self.cfg.min_batch, self.cfg.max_batch)
                 batch = await consumer.getmany(timeout_ms=500, max_records=room) if room else {}
@@ -1221,7 +1221,7 @@ class Trainer:
                             log.warning("skipping sample at %s:%d:%d: %s", tp.topic, tp.partition, m.offset, exc)
                             s = None
                         buffer.append((tp.partition, m.offset, s))
-                good = sum(1 for _, _, s in buffer if s is not None)
+                        good += s is not None
                 self.state.buffered = good
                 if self.cfg.batching == "barrier":
                     positions = {p: await consumer.position(tp) for p, tp in tps.items()}
@@ -1231,6 +1231,7 @@ class Trainer:
                         continue
                     taken = {(p, off) for p, off, _ in head}
                     buffer = [e for e in buffer if (e[0], e[1]) not in taken]
+                    good = sum(1 for _, _, s in buffer if s is not None)
                     if head:
                         await self._train(head, pad_id, publish_empty=True)
                     self._barrier_done(asked)

@@ -312,18 +312,9 @@ def light_stack(settings):
 def tiny_model_dir(tmp_path_factory, settings):
     """A random 2-layer Qwen2 (hidden 32) with SmolLM2's tokenizer files: a real HF model
     dir the trainer loads in seconds."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from bench.soak import tiny_model
 
-    d = tmp_path_factory.mktemp("tiny-model")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(settings.model_dir / name, d / name)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                      tie_word_embeddings=True, use_cache=False)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(d), safe_serialization=True)
-    return d
+    return tiny_model(tmp_path_factory.mktemp("tiny-model"), settings.model_dir, max_positions=128)
 
 
 def _toy_sample(i: int) -> dict:
