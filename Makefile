@@ -33,7 +33,7 @@ test-unit: bootstrap
 	$(PY) -m pytest tests/unit -q
 
 up: bootstrap
-	$(PY) -m spanrl.infra.cli stack up
+	$(PY) -m spanrl.infra.cli stack up $(ARGS)
 down:
 	$(PY) -m spanrl.infra.cli stack down
 status:

@@ -2,7 +2,7 @@
 
     python -m bench.ranks [--ranks 2] [--model DIR] [--samples 16] [--prompt 120] [--completion 60]
                           [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--updates 1]
-                          [--zero-stage 2|3] [--logprob-chunk N] [--out DIR]
+                          [--zero-stage 0|2|3] [--logprob-chunk N] [--out DIR]
 
 Each group is started the way the trainer starts itself with ``SPANRL_TRAINER_RANKS`` > 1:
 DeepSpeed's launcher (trainer/ranks.launch_argv), every rank running ``python -m bench.ranks
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--mini-batches", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--updates", type=int, default=1, help="updates on the same batch; the last one is timed")
-    ap.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage of both groups (2 or 3)")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 2, 3), help="ZeRO stage of both groups")
     ap.add_argument("--logprob-chunk", type=int, help="default: the trainer's setting (0 with --zero-stage 3)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the whole group (split over ranks)")
     ap.add_argument("--no-activation-checkpointing", action="store_true")

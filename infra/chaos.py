@@ -34,29 +34,37 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import httpx
 
-from spanrl.core.settings import (Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
+from spanrl.core.settings import (CLUSTER_LAYOUT, Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
                                   set_env, update_env)
-from spanrl.infra import ledger
+from spanrl.infra import ledger, storage
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
-from spanrl.infra.stack import ROOT, Stack, stop_process_group
+from spanrl.infra.stack import ROOT, Stack, kafka_node_names, replica_names, stop_process_group
 from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.runner import publish_tasks
 from spanrl.schemas import codec
 from spanrl.schemas import topics as T
 from spanrl.trainer import checkpoint
 
-#: fault name -> stack component it kills ("runner" is the workload's own process)
+#: fault name -> stack component it kills ("runner" is the workload's own process; the cluster
+#: faults' broker is chosen when they strike: :func:`cluster_victim`)
 FAULTS: dict[str, str] = {
     "worker": "stream", "trainer": "trainer", "trainer_rank": "trainer", "bridge": "bridge", "proxy": "proxy", "runner": "runner",
     "kafka": "kafka", "minio": "minio", "vllm": "vllm",
+    "kafka_broker": "a broker that is not the active controller", "kafka_controller": "the active KRaft controller",
+    "stream_replica": "the last of the stream workers (its partitions move to the others)",
 }
+#: faults of the cluster layout (settings.CLUSTER_LAYOUT: 3 brokers, 2 stream workers, 2 bridges;
+#: the stack restarted as one after the other faults unless it already is one); spanrl's other
+#: services must go on without a restart
+CLUSTER_FAULTS = ("kafka_broker", "kafka_controller", "stream_replica")
 #: environment of the stack during chaos: timeouts short enough that a killed attempt is
 #: dead-lettered within the run, checkpoints every update, small batches
 CHAOS_ENV = {
@@ -83,7 +91,8 @@ class ChaosConfig:
     pace_s: float = 0.5
     concurrency: int = 4
     kill_at: float = 0.35
-    down_s: dict = field(default_factory=lambda: {"minio": 20.0, "kafka": 5.0})
+    down_s: dict = field(default_factory=lambda: {"minio": 20.0, "kafka": 5.0, "kafka_broker": 15.0,
+                                                  "kafka_controller": 15.0, "stream_replica": 15.0})
     default_down_s: float = 3.0
     settle_timeout_s: float = 300.0
     makeup_rounds: int = 3
@@ -187,6 +196,43 @@ def kill_component(stack: Stack, name: str) -> None:
         time.sleep(0.1)
 
 
+def quorum_leader(describe_status: str) -> int:
+    """The active controller's node id from ``kafka-metadata-quorum describe --status``'s
+    output (its ``LeaderId:`` line). Raises ValueError when there is none."""
+    for line in describe_status.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "LeaderId" and value.strip().isdigit():  # -1: no leader elected
+            return int(value)
+    raise ValueError(f"no LeaderId in the quorum's status:\n{describe_status[-2000:]}")
+
+
+def active_controller(stack: Stack, timeout_s: float = 60.0) -> int:
+    """The node id of the cluster's active controller, asked of the controllers themselves
+    (Kafka's MetadataQuorumCommand over ``--bootstrap-controller``)."""
+    s = stack.s
+    libs = f"{s.cache_dir / f'kafka-{s.kafka_version}' / 'libs'}/*"
+    controllers = ",".join(f"{s.host}:{p}" for p in s.kafka_controller_ports)
+    out = subprocess.run(["java", "-cp", libs, "org.apache.kafka.tools.MetadataQuorumCommand",
+                          "--bootstrap-controller", controllers, "describe", "--status"],
+                         capture_output=True, text=True, timeout=timeout_s)
+    return quorum_leader(out.stdout + out.stderr)
+
+
+def cluster_victim(fault: str, nodes: list[str], leader: int, workers: list[str] = ("stream",)) -> str:
+    """The component a cluster fault kills: ``kafka_controller`` the active controller's node
+    (node ids are 1-based positions in ``nodes``), ``kafka_broker`` the last node that is not,
+    ``stream_replica`` the last of ``workers`` (ValueError if it is the only one)."""
+    if fault == "kafka_controller":
+        return nodes[leader - 1]
+    if fault == "kafka_broker":
+        return [n for i, n in enumerate(nodes) if i + 1 != leader][-1]
+    if fault == "stream_replica":
+        if len(workers) < 2:
+            raise ValueError(f"stream_replica needs two stream workers or more, the stack has {list(workers)}")
+        return list(workers)[-1]
+    raise ValueError(f"{fault} is not a cluster fault ({', '.join(CLUSTER_FAULTS)})")
+
+
 #: the trainer of the ``trainer_rank`` fault: two data-parallel ranks (trainer/ranks.py)
 TWO_RANKS = TrainerConfig.env(ranks="2")
 
@@ -280,7 +326,7 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
         stack.start("trainer", extra_env=TWO_RANKS)
     fid = f"{fault}-{uuid.uuid4().hex[:6]}"
     tasks_topic = T.Topic(f"chaos-tasks.{fid}", "task_id", "task", 1)
-    asyncio.run(create_topics(s.kafka_bootstrap, (tasks_topic,)))
+    asyncio.run(create_topics(s.kafka_bootstrap, (tasks_topic,), s.kafka_replication_factor))
     watched = (T.ROLLOUTS, T.SPANS, T.REWARDS, T.TRANSITIONS, T.SAMPLES, T.DEAD_LETTER)
     start = {t.name: asyncio.run(end_offsets(s.kafka_bootstrap, t.name)) for t in watched}
     task_ids = [f"{fid}-t{i}" for i in range(cfg.tasks)]
@@ -313,6 +359,12 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
         if runner.proc.poll() is not None and component != "runner":
             break
         time.sleep(0.5)
+    cluster: dict = {}
+    if fault in CLUSTER_FAULTS:
+        leader = active_controller(stack)
+        component = cluster_victim(fault, kafka_node_names(s.kafka_brokers), leader,
+                                   replica_names("stream", s.stream_workers))
+        cluster["controller_before"] = leader
     acked_at_kill = sum(1 for a in AckLog.read(ack_log) if a["kind"] == "call")
     say(f"{fault}: SIGKILL {component} after {acked_at_kill}/{planned} acknowledged calls")
     t_kill = time.monotonic()
@@ -324,7 +376,16 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
         say(f"{fault}: SIGKILL rank 1; the trainer group exited after {group_exit_s:.1f}s")
     else:
         kill_component(stack, component)
-    time.sleep(cfg.down_s.get(fault, cfg.default_down_s))
+    down_until = time.monotonic() + cfg.down_s.get(fault, cfg.default_down_s)
+    while time.monotonic() < down_until:  # cluster faults: the pipeline goes on without the broker
+        if (fault in CLUSTER_FAULTS and "first_ack_after_kill_s" not in cluster
+                and sum(1 for a in AckLog.read(ack_log) if a["kind"] == "call") > acked_at_kill):
+            cluster["first_ack_after_kill_s"] = round(time.monotonic() - t_kill, 1)
+            say(f"{fault}: a call acknowledged {cluster['first_ack_after_kill_s']}s after the kill, "
+                f"{component} still down")
+        time.sleep(0.2)
+    if fault in CLUSTER_FAULTS:
+        cluster["controller_while_down"] = active_controller(stack)
     if component == "minio":  # stay down until a checkpoint upload met the outage (or 120 s)
         retries0, until = trainer_status(s).get("retries", 0), time.monotonic() + 120
         while trainer_status(s).get("retries", 0) == retries0 and time.monotonic() < until:
@@ -384,7 +445,16 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
                     "versions": len(ms), "problems": tp},
         "account": acc.to_dict(), "wall_s": round(time.monotonic() - t0, 1),
     }
-    entry["ok"] = acc.ok and caught_up and not tp
+    if fault in CLUSTER_FAULTS:
+        cluster["controller_after"] = active_controller(stack)
+        cluster["killed"] = component
+        # every bridge took spans (the workload spreads rollouts over them by id)
+        cluster["spans_per_bridge"] = dict(sorted(Counter(a.get("bridge", s.bridge_url) for a in AckLog.read(ack_log)
+                                                          if a["kind"] == "span").items()))
+        entry["cluster"] = cluster
+        # spanrl's services went on: none of them was restarted by heal()
+        entry["services_restarted"] = [c for c in collateral if not c.startswith("kafka")]
+    entry["ok"] = acc.ok and caught_up and not tp and not entry.get("services_restarted")
     if fault == "trainer_rank":  # the next faults meet the usual one-rank trainer
         stack.stop("trainer")
         stack.start("trainer")
@@ -402,30 +472,68 @@ def _short_tasks(events: list[dict], task_ids: list[str], group_size: int) -> di
 
 # ------------------------------------------------------------------------- the whole run
 def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> dict:
-    """Start the stack with CHAOS_ENV and a fresh run, run every fault, write chaos.json."""
+    """Start the stack with CHAOS_ENV and a fresh run, run every fault, write chaos.json.
+
+    The cluster faults (:data:`CLUSTER_FAULTS`) run last, on a stack restarted with the
+    cluster layout (``settings.CLUSTER_LAYOUT``: 3 Kafka brokers, 2 stream workers, 2 bridges)
+    and a run of its own (the trainer's checkpoints name offsets of the other cluster's
+    topics), unless the stack already has that layout."""
     check_environment()
     update_env(CHAOS_ENV)
     running_run = None if cfg.restart_stack else trainer_status(get_settings()).get("run")
-    set_env("SPANRL_RUN", running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    run = running_run or f"chaos-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    set_env("SPANRL_RUN", run)
     get_settings.cache_clear()
-    stack = Stack(get_settings())
-    if cfg.restart_stack:
-        stack.down()
-    stack.up(progress=lambda n: say(f"starting {n} …"))
+    storage.register_scratch(get_settings().cache_dir, run)  # local copies: deleted by the next make test
+    phases = chaos_phases(cfg.faults, is_cluster(get_settings()))
+    if not cfg.restart_stack and any(c != is_cluster(get_settings()) for c, _ in phases):
+        raise RuntimeError(f"the cluster faults need the cluster layout ({CLUSTER_LAYOUT}): start the stack with "
+                           f"`spanrl stack up --cluster`, or let chaos restart the stack")
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     out = cfg.out_dir / "chaos.json"
-    result = {"run": stack.s.run, "config": {k: (str(v) if isinstance(v, Path) else v)
-                                             for k, v in asdict(cfg).items()},
+    result = {"run": run, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
               "env": CHAOS_ENV, "faults": []}
     try:
-        for fault in cfg.faults:
-            entry = run_fault(stack, fault, cfg, say)
-            result["faults"].append(entry)
-            out.write_text(json.dumps(result, indent=2))
-            say(f"{fault}: {'OK' if entry['ok'] else 'FAILED'}: expected {entry['expected']}, produced "
-                f"{entry['produced']}, dead-lettered {entry['dead_lettered']}, missing {entry['missing']}, "
-                f"duplicated {entry['duplicated']}")
+        for cluster, faults in phases:
+            if cluster != is_cluster(get_settings()):
+                Stack(get_settings()).down()
+                update_env(Settings.env(**{k: str(v) for k, v in CLUSTER_LAYOUT.items()}))
+                set_env("SPANRL_RUN", f"{run}-cluster")
+                get_settings.cache_clear()
+                storage.register_scratch(get_settings().cache_dir, get_settings().run)
+                say(f"restarting the stack as a cluster: {CLUSTER_LAYOUT} (run {get_settings().run})")
+            stack = Stack(get_settings())
+            if cfg.restart_stack:
+                stack.down()
+            stack.up(progress=lambda n: say(f"starting {n} …"))
+            s = get_settings()
+            for fault in faults:
+                entry = run_fault(stack, fault, cfg, say)
+                entry["layout"] = {"kafka_brokers": s.kafka_brokers, "stream_workers": s.stream_workers,
+                                   "bridge_replicas": s.bridge_replicas}
+                result["faults"].append(entry)
+                out.write_text(json.dumps(result, indent=2))
+                say(f"{fault}: {'OK' if entry['ok'] else 'FAILED'}: expected {entry['expected']}, produced "
+                    f"{entry['produced']}, dead-lettered {entry['dead_lettered']}, missing {entry['missing']}, "
+                    f"duplicated {entry['duplicated']}")
     finally:
         result["ok"] = bool(result["faults"]) and all(f["ok"] for f in result["faults"])
         out.write_text(json.dumps(result, indent=2))
     return result
+
+
+def is_cluster(s: Settings) -> bool:
+    """Whether the stack of ``s`` has the cluster layout (at least ``CLUSTER_LAYOUT``'s brokers,
+    stream workers and bridges)."""
+    return all(getattr(s, k) >= v for k, v in CLUSTER_LAYOUT.items())
+
+
+def chaos_phases(faults: tuple[str, ...], cluster: bool) -> list[tuple[bool, tuple[str, ...]]]:
+    """``[(cluster layout?, faults), ...]`` in the order they run: every fault on the stack as
+    it is, except that a stack without the cluster layout runs the cluster faults after the
+    others, restarted as a cluster."""
+    if cluster:
+        return [(True, tuple(faults))]
+    single = tuple(f for f in faults if f not in CLUSTER_FAULTS)
+    clustered = tuple(f for f in faults if f in CLUSTER_FAULTS)
+    return [p for p in ((False, single), (True, clustered)) if p[1]]

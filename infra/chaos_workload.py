@@ -5,9 +5,9 @@
 A :class:`spanrl.producers.runner.Runner` consumes the run's own tasks topic; each attempt makes
 ``calls`` chat completions through the LLM proxy (real vLLM behind it), then sends one
 OTLP tool span and its final reward (:func:`spanrl.infra.ledger.known_reward` of its rollout id)
-to the OTLP bridge over HTTP. Every 2xx answer is appended to ``ack_log`` (JSON lines)
-before the next step: that log is what the client was promised, and the ledger checks
-each entry is in Kafka. The process exits after ``idle_s`` without a new task.
+to an OTLP bridge over HTTP (one of the stack's, by rollout id: :func:`bridge_for`). Every 2xx
+answer is appended to ``ack_log`` (JSON lines) before the next step: that log is what the client
+was promised, and the ledger checks each entry is in Kafka. The process exits after ``idle_s`` without a new task.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,10 +96,20 @@ async def post_until_acked(client: httpx.AsyncClient, url: str, deadline_s: floa
         await asyncio.sleep(wait)
 
 
-def make_agent(calls: int, pace_s: float, acks: AckLog, bridge_url: str, model: str):
+def bridge_for(rollout_id: str, bridge_urls: list[str]) -> str:
+    """The bridge a rollout's spans and rewards go to: ``bridge_urls[crc32(rollout_id) % n]``
+    (stable across processes and restarts, as a load balancer's hash on the rollout would be;
+    any bridge could take any export: they are stateless). Raises ValueError for no bridges."""
+    if not bridge_urls:
+        raise ValueError("no bridge to send to")
+    return bridge_urls[zlib.crc32(rollout_id.encode()) % len(bridge_urls)]
+
+
+def make_agent(calls: int, pace_s: float, acks: AckLog, bridge_urls: list[str], model: str):
     """The async agent callable for :class:`Runner` (see module doc)."""
 
     async def agent(ctx: RolloutContext) -> None:
+        bridge_url = bridge_for(ctx.rollout_id, bridge_urls)
         llm = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=3, timeout=60)
         async with httpx.AsyncClient(timeout=30, headers=bearer_headers(get_settings().auth_token)) as http:
             for t in range(calls):
@@ -111,7 +122,8 @@ def make_agent(calls: int, pace_s: float, acks: AckLog, bridge_url: str, model: 
             await post_until_acked(http, f"{bridge_url}/v1/traces",
                                    content=tool_span_request(ctx.rollout_id, ctx.attempt_id, span_id),
                                    headers={"content-type": "application/x-protobuf"})
-            acks.add(kind="span", rollout_id=ctx.rollout_id, attempt_id=ctx.attempt_id, span_id=span_id)
+            acks.add(kind="span", rollout_id=ctx.rollout_id, attempt_id=ctx.attempt_id, span_id=span_id,
+                     bridge=bridge_url)
             value = known_reward(ctx.rollout_id)
             await post_until_acked(http, f"{bridge_url}/v1/rewards",
                                    json={"rollout_id": ctx.rollout_id, "attempt_id": ctx.attempt_id,
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     s = get_settings()
     topics = replace(Topics(), tasks=replace(T.TASKS, name=a.tasks_topic, partitions=1))
-    runner = Runner(make_agent(a.calls, a.pace, AckLog(a.ack_log), s.bridge_url, s.model_name),
+    runner = Runner(make_agent(a.calls, a.pace, AckLog(a.ack_log), s.bridge_urls, s.model_name),
                     concurrency=a.concurrency, group_id=a.group_id, topics=topics, timeout_s=300)
     asyncio.run(runner.run(idle_timeout_s=a.idle_s))
 

@@ -32,8 +32,15 @@ def _names(only: str | None) -> list[str] | None:
 
 
 @stack_app.command("up")
-def stack_up(only: str = typer.Option(None, help="comma-separated components (default: all)")) -> None:
+def stack_up(only: str = typer.Option(None, help="comma-separated components (default: all)"),
+             cluster: bool = typer.Option(False, help="the deployment's layout as processes here: 3 Kafka brokers, "
+                                          "2 stream workers, 2 bridges (settings.CLUSTER_LAYOUT)")) -> None:
     """Start the stack (Kafka, MinIO, vLLM, bridge, proxy, stream, trainer, reloader, dashboard)."""
+    if cluster:
+        from spanrl.core.settings import CLUSTER_LAYOUT, Settings, get_settings, update_env
+
+        update_env(Settings.env(**{k: str(v) for k, v in CLUSTER_LAYOUT.items()}))
+        get_settings.cache_clear()
     stack = Stack()
     try:
         with console.status("starting") as st:
@@ -60,8 +67,12 @@ def stack_status() -> None:
     table = Table(title="spanrl stack")
     for col in ("component", "running", "healthy", "endpoint"):
         table.add_column(col)
-    for name, running, healthy, where in Stack().status():
+    stack = Stack()
+    for name, running, healthy, where in stack.status():
         table.add_row(name, "yes" if running else "no", "[green]yes[/green]" if healthy else "[red]no[/red]", where)
+    for name in stack.strays():  # e.g. `stack up --cluster`'s replicas, asked without its settings
+        table.add_row(name, "yes" if stack.running(name) else "no", "?", "another layout (--cluster?); "
+                      "`stack down` stops it")
     console.print(table)
 
 
@@ -102,12 +113,23 @@ def _check_free_space(command: str) -> None:
     """Exit 1 with a clear message when the cache or state directory's drive has less free
     space than ``command`` needs (spanrl.infra.storage.NEEDED_FREE)."""
     from spanrl.core.settings import get_settings
-    from spanrl.infra.storage import NEEDED_FREE, free_space_problem
+    from spanrl.infra.stack import ROOT
+    from spanrl.infra.storage import (GIB, NEEDED_FREE, empty_dir, free_space_problem, largest_entries,
+                                      stale_minio_trash)
 
     s = get_settings()
-    problem = free_space_problem([s.cache_dir, Stack(s).state], NEEDED_FREE[command])
+    paths = [s.cache_dir, Stack(s).state]
+    problem = free_space_problem(paths, NEEDED_FREE[command])
+    if problem:  # first take back what stopped MinIOs of this and nearby clones left in their trash
+        freed = sum(empty_dir(t) for t in stale_minio_trash([ROOT.parent, *ROOT.parent.parent.glob("*/")]))
+        if freed:
+            console.print(f"deleted {freed / GIB:.1f} GiB of objects stopped MinIOs had deleted "
+                          f"(.spanrl/minio/.minio.sys/tmp/.trash of clones near {ROOT})")
+            problem = free_space_problem(paths, NEEDED_FREE[command])
     if problem:
         console.print(f"[red]not enough disk space for `{command}`[/red]: {problem}")
+        console.print("largest here: " + ", ".join(f"{p} {n / GIB:.1f} GiB"
+                                                    for p, n in largest_entries([*paths, ROOT.parent])))
         raise typer.Exit(1)
 
 
@@ -135,10 +157,20 @@ def test(
     import subprocess
     import sys
 
+    from spanrl.core.settings import TrainerConfig, get_settings
+    from spanrl.infra import storage
     from spanrl.trainer import checkpoint
 
+    s = get_settings()
+    serving = {s.run} if Stack(s).running("trainer") or Stack(s).running("reloader") else set()
+    if freed := storage.reclaim_scratch(s.cache_dir, protect=serving):
+        console.print(f"deleted the local checkpoints of {len(freed)} runs earlier tests left: "
+                      f"{sum(freed.values()) / storage.GIB:.1f} GiB")
     _check_free_space("test")
+    for name, value in TrainerConfig.env(keep_published=str(storage.TEST_KEEP_PUBLISHED)).items():
+        setdefault_env(name, value)
     stack = _fresh_run("test")
+    storage.register_scratch(stack.s.cache_dir, stack.s.run)
     _up_or_exit(stack)
     try:
         # --durations: the CI log names the slowest tests (the suite's time budget is ~35 min)
@@ -151,6 +183,7 @@ def test(
             try:
                 checkpoint.delete_run(checkpoint.make_client(s) if stack.running("minio") else None,
                                       s.checkpoint_bucket, s.cache_dir, s.run)
+                storage.forget_scratch(s.cache_dir, [s.run])
             finally:
                 stack.down()
     raise typer.Exit(rc)
@@ -448,8 +481,9 @@ def replay(
 
 @app.command()
 def chaos(
-    faults: str = typer.Option(None, help="comma-separated faults (default: all): "
-                               "worker,trainer,trainer_rank,bridge,proxy,runner,kafka,minio,vllm"),
+    faults: str = typer.Option(None, help="comma-separated faults (default: all): worker,trainer,"
+                               "trainer_rank,bridge,proxy,runner,kafka,minio,vllm, and kafka_broker,"
+                               "kafka_controller on a 3-broker cluster (the stack restarted as one)"),
     tasks: int = typer.Option(6, help="tasks per fault run"),
     group_size: int = typer.Option(4, help="rollouts per task"),
     calls: int = typer.Option(3, help="LLM calls per rollout"),

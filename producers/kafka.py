@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from spanrl.core.settings import TopicSettings
+from spanrl.core.settings import TopicSettings, default_replication
 from spanrl.schemas import codec, topics
 from spanrl.schemas.topics import Topic
 
@@ -150,23 +150,40 @@ async def _quiet_stop(producer: AIOKafkaProducer | None) -> None:
         pass
 
 
-async def create_topics(bootstrap: str, wanted: tuple[Topic, ...], replication_factor: int = 1) -> None:
-    """Create ``wanted`` topics that do not exist yet (tests and local setups; a cluster's
-    one-shot set-up job, infra/setup_job.py, passes its ``replication_factor``)."""
+async def create_topics(bootstrap: str, wanted: tuple[Topic, ...], replication_factor: int | None = None) -> None:
+    """Create ``wanted`` topics that do not exist yet, with ``replication_factor`` replicas
+    (None: ``settings.default_replication`` of the brokers the cluster reports now; the stack and
+    a cluster's one-shot set-up job, infra/setup_job.py, pass theirs). Raises the KafkaError
+    of a topic Kafka refused (:func:`check_created`)."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
+        if replication_factor is None:
+            replication_factor = default_replication(len((await admin.describe_cluster())["brokers"]))
         existing = set(await admin.list_topics())
         # replicated topics: an acks=all write needs 2 replicas in sync (Kafka docs, min.insync.replicas)
         isr = {"min.insync.replicas": "2"} if replication_factor > 1 else {}
+        unique = {t.name: t for t in wanted}  # one request may not name a topic twice (Kafka: error 42)
         new = [NewTopic(t.name, t.partitions, replication_factor, topic_configs={**t.config(), **isr})
-               for t in wanted if t.name not in existing]
+               for t in unique.values() if t.name not in existing]
         if new:
-            await admin.create_topics(new)
+            response = await admin.create_topics(new)
+            check_created(response.topic_errors)
     finally:
         await admin.close()
+
+
+def check_created(topic_errors: list[tuple]) -> None:
+    """Raise the KafkaError of the first topic a CreateTopics response refused (its
+    ``topic_errors``: ``(topic, error_code[, error_message])``; 36, already exists, is no
+    error here). E.g. ``InvalidReplicationFactorError`` while a cluster's brokers register."""
+    from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+    for topic, code, *message in topic_errors:
+        if code not in (0, TopicAlreadyExistsError.errno):
+            raise for_code(code)(f"topic {topic}: {message[0] if message and message[0] else 'refused'}")
 
 
 async def delete_topics(bootstrap: str, names: list[str]) -> None:

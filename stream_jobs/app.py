@@ -97,7 +97,7 @@ class StreamConfig:
     payload_bucket: str = Settings.default("payload_bucket")
     claim_retry_s: float = _S("claim_retry_s")
     #: replication factor of the topics Faust creates (changelogs, tick and trace-link topics);
-    #: ``SPANRL_STREAM_REPLICATION_FACTOR``, 3 on a 3-broker cluster (infra/deploy/)
+    #: ``SPANRL_STREAM_REPLICATION_FACTOR``; 0: the stack's (``Settings.kafka_replication_factor``)
     replication_factor: int = _S("stream_replication_factor")
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -209,7 +209,8 @@ def _faust_app(cfg: StreamConfig) -> faust.App:
         # per changelog write/output. Batching them for 20 ms cut the worker's CPU per
         # run by ~20 % in the bench (BENCHMARKS.md); a commit waits for it at most once.
         producer_linger=cfg.linger_s,
-        topic_replication_factor=cfg.replication_factor,
+        # 0: the stack's (1 on one broker, 3 on a cluster: SPANRL_KAFKA_BROKERS)
+        topic_replication_factor=cfg.replication_factor or get_settings().kafka_replication_factor,
         Worker=QuietWorker,  # no spinner: it set the root logger to DEBUG (QuietWorker)
     )
 

@@ -42,7 +42,7 @@ import torch
 from spanrl.core import settings as env
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
-from spanrl.trainer import batching, checkpoint, lora, losses, ranks, staleness, tracking
+from spanrl.trainer import batching, checkpoint, deepspeed_patches, lora, losses, ranks, staleness, tracking
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
 from spanrl.trainer.self_imitation import SelfImitationBuffer, check_replay_loss, positive_entries
 
@@ -138,6 +138,7 @@ def init_distributed() -> None:
         env.setdefault_env("GLOO_SOCKET_IFNAME", "lo")  # gloo's own listeners on loopback too
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend)  # adopts the process group above
+    deepspeed_patches.after_init_distributed(rank, world)  # its shm segments: no leak (66 MiB per start)
     _STORE = store
 
 
@@ -159,8 +160,9 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-#: the ZeRO stages the trainer runs (``SPANRL_TRAINER_ZERO_STAGE``)
-ZERO_STAGES = (2, 3)
+#: the ZeRO stages the trainer runs (``SPANRL_TRAINER_ZERO_STAGE``): 0 (no partitioning; on one
+#: rank no ZeRO copies of weights and gradients), 2, 3
+ZERO_STAGES = (0, 2, 3)
 
 
 def check_zero_stage(zero_stage: int) -> None:
@@ -170,15 +172,16 @@ def check_zero_stage(zero_stage: int) -> None:
 
 
 def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay: float,
-                     gpu: bool | None = None, zero_stage: int = 2) -> dict:
-    """The one DeepSpeed config: ZeRO ``zero_stage`` (2: optimizer states and gradients
-    partitioned; 3: the parameters too, :data:`ZERO_STAGES`). GPU: bf16 + FusedAdam (the "AdamW"
+                     gpu: bool | None = None, zero_stage: int = 0) -> dict:
+    """The one DeepSpeed config: ZeRO ``zero_stage`` (0: nothing partitioned, plain data
+    parallelism; 2: optimizer states and gradients partitioned; 3: the parameters too,
+    :data:`ZERO_STAGES`). GPU: bf16 + FusedAdam (the "AdamW"
     optimizer block). CPU: fp32, the optimizer is passed in by build_engine. ``gpu``: None =
     whether CUDA is available. ``python -m spanrl.trainer.train --deepspeed-config [--gpu]`` prints
     it as JSON for the trainer's settings (there is no second copy in a file). Raises ValueError
     for another stage."""
     check_zero_stage(zero_stage)
-    buckets = ({"allgather_bucket_size": BUCKET_ELEMENTS} if zero_stage == 2 else
+    buckets = ({} if zero_stage == 0 else {"allgather_bucket_size": BUCKET_ELEMENTS} if zero_stage == 2 else
                {"stage3_prefetch_bucket_size": BUCKET_ELEMENTS, "stage3_max_live_parameters": BUCKET_ELEMENTS})
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -199,7 +202,7 @@ def deepspeed_config(micro_batch: int, grad_clip: float, lr: float, weight_decay
 
 
 def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, micro_batch: int = 8,
-                 grad_clip: float = 1.0, zero_stage: int = 2):
+                 grad_clip: float = 1.0, zero_stage: int = 0):
     """Wrap ``model`` in a DeepSpeed ZeRO engine, stage ``zero_stage`` (:func:`deepspeed_config`;
     the one function tests and the service use).
 
@@ -227,6 +230,7 @@ def build_engine(model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0
             optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
                                            model_parameters=None if optimizer else trainable)
+    deepspeed_patches.skip_single_rank_allreduce(engine)
     return engine
 
 
@@ -599,10 +603,11 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                     if use_ref:
                         epoch_stats["ref_kl"] += w * float(losses.reference_kl(logp, ref_logp, b.completion_mask))
                 del logp, loss, ref_logp
+            pre_step_norm = _unpartitioned_grad_norm(engine) if epoch == 0 and "grad_norm" not in epoch_stats else None
             engine.step()
             steps += 1
-            if epoch == 0 and "grad_norm" not in epoch_stats:
-                epoch_stats["grad_norm"] = _grad_norm(engine)  # of the first mini-batch's step
+            if epoch == 0 and "grad_norm" not in epoch_stats:  # of the first mini-batch's step
+                epoch_stats["grad_norm"] = pre_step_norm if pre_step_norm is not None else _grad_norm(engine)
         if world > 1:  # each rank summed its share; also the update's last collective (every rank stepped)
             names = [k for k in epoch_stats if k != "grad_norm"]
             summed = torch.tensor([epoch_stats[k] for k in names], dtype=torch.float64)
@@ -664,6 +669,15 @@ def eos_token_ids(model) -> set[int] | None:
     if eos is None:
         return None
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _unpartitioned_grad_norm(engine) -> float | None:
+    """Stage 0 only (None otherwise): the global L2 norm of the (already all-reduced) gradients
+    before the step clips them, which DeepSpeed computes but does not keep without ZeRO."""
+    if zero_stage_of(engine) != 0:
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
 
 def _grad_norm(engine) -> float | None:

@@ -11,6 +11,8 @@
 - ``metrics``: Prometheus families of every service's ``/metrics``.
 - ``intervals``: confidence intervals (evaluation, study, the release gate).
 - ``partitions``: a topic's partitions as a consumer sees them (trainer, reloader).
+- ``shm``: /dev/shm segments and which live processes map them (the stack and the trainer
+  remove what killed processes leave in RAM).
 - ``plugins``: ``module:attribute`` references resolved at run time (an agent, the release
   gate's evaluation), so a service names a higher layer's code without importing it.
 

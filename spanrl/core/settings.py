@@ -40,6 +40,25 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 PREFIX = "SPANRL_"
 
 
+#: port distance between replicas of one stack component (Kafka nodes, stream workers, bridges)
+PORT_STRIDE = 100
+#: ``spanrl stack up --cluster``: the layout of infra/deploy/compose.yaml's stateful and stream
+#: tiers as processes on one machine (3 KRaft brokers, 2 Faust workers, 2 bridges)
+CLUSTER_LAYOUT = {"kafka_brokers": 3, "stream_workers": 2, "bridge_replicas": 2}
+
+
+def replica_ports(first: int, n: int) -> list[int]:
+    """The ports of ``n`` replicas of one stack component: ``first``, ``first + 100``, ..."""
+    return [first + PORT_STRIDE * i for i in range(n)]
+
+
+def default_replication(brokers: int) -> int:
+    """Replicas of a topic on a cluster of ``brokers``: 1 on one or two brokers, 3 from three on
+    (with ``min.insync.replicas`` 2 an acks=all write then survives the loss of one broker;
+    Kafka's docs, "Replication")."""
+    return 3 if brokers >= 3 else 1
+
+
 def _default_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spanrl"
 
@@ -164,6 +183,10 @@ class Settings(Section):
 
     kafka_port: int = setting(19092, "Kafka's listener", readers="stack")
     kafka_controller_port: int = setting(19093, "Kafka's KRaft controller listener", readers="stack")
+    kafka_brokers: int = setting(1, "brokers of the stack's Kafka: 1, or >= 3 for a replicated KRaft cluster "
+                                 "(replication factor 3, `min.insync.replicas` 2; broker i listens on "
+                                 "`kafka_port` + 100(i-1), its controller on `kafka_controller_port` + 100(i-1))",
+                                 readers="stack, every service")
     kafka_version: str = setting("4.1.1", "the Kafka release the stack downloads and runs", readers="stack")
     minio_port: int = setting(19000, "MinIO's S3 API", readers="stack")
     minio_console_port: int = setting(19001, "MinIO's console", readers="stack")
@@ -183,6 +206,14 @@ class Settings(Section):
     proxy_port: int = setting(18080, "the LLM proxy", readers="proxy, runner, reloader, stack")
     faust_web_port: int = setting(16066, "the stream worker's web server (health, counters, metrics)",
                                   readers="stream, stack")
+    stream_workers: int = setting(1, "Faust workers the stack starts for the stream job, one consumer group "
+                                  "sharing the partitions (worker i: component `stream<i>`, web server on "
+                                  "`faust_web_port` + 100(i-1)); `spanrl stack up --cluster` starts 2",
+                                  readers="stack, chaos")
+    bridge_replicas: int = setting(1, "OTLP bridges the stack starts (bridge i: component `bridge<i>`, on `bridge_port` "
+                           "and `bridge_grpc_port` + 100(i-1)); stateless, so any may take any export: the chaos "
+                           "workload sends each rollout to one by its id; `spanrl stack up --cluster` starts 2",
+                           readers="stack, chaos")
     reloader_port: int = setting(18090, "the reloader's HTTP status and admin", readers="reloader, proxy, stack, eval")
     trainer_port: int = setting(18091, "the trainer's HTTP status and admin", readers="trainer, stack, dashboard")
     kafka_bootstrap_servers: str = setting("", "where services reach Kafka when it runs elsewhere (infra/deploy/): "
@@ -263,9 +294,59 @@ class Settings(Section):
             self.auth_token = SecretStr(token)
         return self
 
+    @field_validator("kafka_brokers")
+    @classmethod
+    def _one_or_a_quorum(cls, value: int) -> int:
+        if value == 2 or value < 1:
+            raise ValueError(f"must be 1, or >= 3 (replication factor 3 with min.insync.replicas 2 needs three "
+                             f"brokers to survive the loss of one), got {value}")
+        return value
+
+    @field_validator("stream_workers", "bridge_replicas")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    @property
+    def faust_web_ports(self) -> list[int]:
+        """The stack's stream workers' web ports (worker i at ``faust_web_port + 100 (i - 1)``)."""
+        return replica_ports(self.faust_web_port, self.stream_workers)
+
+    @property
+    def bridge_ports(self) -> list[int]:
+        """The stack's bridges' OTLP/HTTP ports (bridge i at ``bridge_port + 100 (i - 1)``)."""
+        return replica_ports(self.bridge_port, self.bridge_replicas)
+
+    @property
+    def bridge_grpc_ports(self) -> list[int]:
+        """The stack's bridges' OTLP/gRPC ports, in bridge order (all 0 when gRPC is off)."""
+        return replica_ports(self.bridge_grpc_port, self.bridge_replicas) if self.bridge_grpc_port else [0] * self.bridge_replicas
+
+    @property
+    def bridge_urls(self) -> list[str]:
+        """Every bridge's HTTP root, in order (the first is :attr:`bridge_url`)."""
+        return [f"http://{self.host}:{p}" for p in self.bridge_ports]
+
+    @property
+    def kafka_ports(self) -> list[int]:
+        """The stack's brokers' client ports (broker i at ``kafka_port + 100 (i - 1)``)."""
+        return replica_ports(self.kafka_port, self.kafka_brokers)
+
+    @property
+    def kafka_controller_ports(self) -> list[int]:
+        """The stack's brokers' KRaft controller ports, in node order."""
+        return replica_ports(self.kafka_controller_port, self.kafka_brokers)
+
+    @property
+    def kafka_replication_factor(self) -> int:
+        """Replicas of each topic the stack creates: 1 on one broker, 3 on a cluster."""
+        return default_replication(self.kafka_brokers)
+
     @property
     def kafka_bootstrap(self) -> str:
-        return self.kafka_bootstrap_servers or f"{self.host}:{self.kafka_port}"
+        return self.kafka_bootstrap_servers or ",".join(f"{self.host}:{p}" for p in self.kafka_ports)
 
     @property
     def minio_endpoint(self) -> str:
@@ -389,8 +470,9 @@ class StreamSettings(Section):
                                      unit="s", readers="stream")
     claim_retry_s: float = setting(30.0, "how long an unreachable MinIO is retried before `claim_unresolved`",
                                    unit="s", readers="stream")
-    stream_replication_factor: int = setting(1, "replication of the topics Faust creates (changelogs, ticks, trace "
-                                             "links); 3 on a 3-broker cluster (infra/deploy/)", readers="stream")
+    stream_replication_factor: int = setting(0, "replication of the topics Faust creates (changelogs, ticks, trace "
+                                             "links); 0: the stack's (1 on one broker, 3 with `SPANRL_KAFKA_BROKERS` "
+                                             ">= 3); 3 on infra/deploy/'s cluster", readers="stream")
 
     @field_validator("stream_join_traces", mode="before")
     @classmethod
@@ -485,11 +567,11 @@ class TrainerConfig(Section):
                                        "loss against their own behaviour log-probs) | sil (Self-Imitation Learning's "
                                        "unclipped -log pi * A+, losses.self_imitation_loss: no clip ends the push); "
                                        "read only when self_imitation_updates > 0", readers="trainer")
-    prefix_merge: bool = setting(False, "train the calls of one attempt whose prompt starts with the previous call's "
+    prefix_merge: bool = setting(True, "train the calls of one attempt whose prompt starts with the previous call's "
                                  "prompt + completion as one row, each token with its own call's advantage, "
                                  "behaviour log-prob and loss weight (trainer/prefix_merge.py, Agent Lightning's "
-                                 "trajectory aggregation): the same loss with fewer tokens forwarded; off until "
-                                 "proven exact end to end", readers="trainer")
+                                 "trajectory aggregation): the same loss with fewer tokens forwarded (0.56x for "
+                                 "the math agent); false: one row per call", readers="trainer")
     kl_coef: float = setting(0.0, "weight of the k3 KL to the reference policy (a frozen copy of the base weights); "
                              "0: off, no reference model is loaded", readers="trainer")
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "
@@ -506,9 +588,11 @@ class TrainerConfig(Section):
     ranks: int = setting(1, "data-parallel DeepSpeed ranks of the trainer on this machine: > 1 starts them through "
                          "DeepSpeed's launcher; rank 0 reads the samples and publishes, every rank trains its share "
                          "of each update (trainer/ranks.py)", unit="processes", readers="trainer")
-    zero_stage: int = setting(2, "DeepSpeed ZeRO stage: 2 (optimizer states and gradients partitioned over the ranks, "
-                              "each rank holds the whole weights) or 3 (the weights too: gathered for each "
-                              "checkpoint; needs logprob_chunk 0 and no LoRA)", readers="trainer")
+    zero_stage: int | None = setting(None, "DeepSpeed ZeRO stage: 0 (nothing partitioned: on one rank the least "
+                                     "memory, no ZeRO copies of weights and gradients), 2 (optimizer states and "
+                                     "gradients partitioned over the ranks, each rank holds the whole weights) or 3 "
+                                     "(the weights too: gathered for each checkpoint; needs logprob_chunk 0 and no "
+                                     "LoRA)", readers="trainer", shown="0 with one rank, 2 with more")
     micro_batch: int = setting(8, "at most this many sequences per micro-batch ...", unit="sequences",
                                readers="trainer")
     micro_batch_tokens: int = setting(2048, "... and at most this many padded tokens", unit="tokens", readers="trainer")
@@ -548,6 +632,14 @@ class TrainerConfig(Section):
     ratio_cap: float = setting(3.0, "dual-clip cap of the importance ratio (`stale_policy=keep`)", readers="trainer")
     dead_letter_topic: str = setting(default_factory=_topic("DEAD_LETTER"), doc="topic of refused samples",
                                      readers="trainer")
+
+    @model_validator(mode="after")
+    def _zero_stage_for_the_ranks(self) -> "TrainerConfig":
+        """Unset ``zero_stage``: 0 with one rank (trainer/README.md, "Memory": ~940 MiB less
+        than ZeRO-2 for SmolLM2), 2 with more (the optimizer states sharded over the ranks)."""
+        if self.zero_stage is None:
+            self.zero_stage = 0 if self.ranks == 1 else 2
+        return self
 
 
 class ReloaderConfig(Section):

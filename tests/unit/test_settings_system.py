@@ -90,7 +90,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 147
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 150
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -179,10 +179,10 @@ def test_stack_wide_defaults():
     assert dump.pop("minio_secret_key").get_secret_value() == "spanrl-local-secret"
     assert dump == {
         'host': '127.0.0.1', 'cache_dir': cache, 'state_dir': Path('.spanrl'), 'kafka_port': 19092,
-        'kafka_controller_port': 19093, 'kafka_version': '4.1.1', 'minio_port': 19000, 'minio_console_port': 19001,
+        'kafka_controller_port': 19093, 'kafka_brokers': 1, 'kafka_version': '4.1.1', 'minio_port': 19000, 'minio_console_port': 19001,
         'minio_access_key': 'spanrl', 'checkpoint_bucket': 'spanrl-checkpoints',
         'payload_bucket': 'spanrl-payloads', 'vllm_port': 18000, 'bridge_port': 14318, 'bridge_grpc_port': 14317,
-        'proxy_port': 18080, 'faust_web_port': 16066, 'reloader_port': 18090, 'trainer_port': 18091,
+        'proxy_port': 18080, 'faust_web_port': 16066, 'stream_workers': 1, 'bridge_replicas': 1, 'reloader_port': 18090, 'trainer_port': 18091,
         'kafka_bootstrap_servers': '', 'minio_address': '', 'dashboard_port': 18092, 'dashboard_max_rollouts': 5000,
         'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0,
         'vllm_tool_call_parser': 'hermes', 'vllm_chat_template': 'infra/chat_templates/smollm2_tools.jinja',
@@ -200,9 +200,9 @@ def test_trainer_defaults():
         'algorithm': 'grpo', 'singleton_advantage': 'batch', 'lr': 1e-05, 'weight_decay': 0.0, 'clip_eps': 0.2,
         'loss_agg': 'token_mean', 'advantage_std_scale': True, 'drop_zero_variance': False,
         'negative_advantage_weight': 1.0, 'prefix_tree_advantage': False,
-        'self_imitation_updates': 0, 'self_imitation_weight': 1.0, 'self_imitation_loss': 'clipped', 'prefix_merge': False, 'kl_coef': 0.0, 'mini_batches': 1, 'batching': 'stream',
+        'self_imitation_updates': 0, 'self_imitation_weight': 1.0, 'self_imitation_loss': 'clipped', 'prefix_merge': True, 'kl_coef': 0.0, 'mini_batches': 1, 'batching': 'stream',
         'grad_clip': 1.0, 'ppo_epochs': 1, 'min_batch': 16, 'max_batch': 64, 'idle_flush_s': 10.0,
-        'ranks': 1, 'zero_stage': 2, 'micro_batch': 8, 'micro_batch_tokens': 2048, 'activation_checkpointing': True, 'lora_rank': 0,
+        'ranks': 1, 'zero_stage': 0, 'micro_batch': 8, 'micro_batch_tokens': 2048, 'activation_checkpointing': True, 'lora_rank': 0,
         'lora_alpha': 32.0, 'lora_dropout': 0.0,
         'lora_target_modules': 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj', 'logprob_chunk': 256,
         'max_tokens': 4096, 'checkpoint_every': 1, 'keep_local': 2, 'keep_published': 0, 'init_from': None,
@@ -232,7 +232,7 @@ STREAM_TODAY = {
     'reward_timeout_s': 60.0, 'reward_window_s': 604800.0, 'group_timeout_s': 120.0, 'rollout_timeout_s': 900.0,
     'settle_s': 2.0, 'production_idle_s': 300.0, 'retain_s': 3600.0, 'retain_max': 10000, 'tick_s': 0.5,
     'commit_interval_s': 0.5,
-    'linger_s': 0.02, 'payload_bucket': 'spanrl-payloads', 'claim_retry_s': 30.0, 'replication_factor': 1,
+    'linger_s': 0.02, 'payload_bucket': 'spanrl-payloads', 'claim_retry_s': 30.0, 'replication_factor': 0,
     'extra': {}}
 
 
@@ -336,8 +336,8 @@ def test_one_deepspeed_config(capsys):
     from spanrl.trainer import train
 
     assert not (ROOT / "trainer" / "ds_config_gpu.json").exists()
-    gpu = train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=True)
-    cpu = train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=False)
+    gpu = train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=True, zero_stage=2)
+    cpu = train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=False, zero_stage=2)
     assert gpu["bf16"] == {"enabled": True} and gpu["optimizer"]["type"] == "AdamW"
     assert "bf16" not in cpu and "optimizer" not in cpu
     assert gpu["zero_optimization"] == cpu["zero_optimization"] == {
@@ -346,11 +346,14 @@ def test_one_deepspeed_config(capsys):
     assert train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=False, zero_stage=3)["zero_optimization"] == {
         "stage": 3, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": train.BUCKET_ELEMENTS,
         "stage3_prefetch_bucket_size": train.BUCKET_ELEMENTS, "stage3_max_live_parameters": train.BUCKET_ELEMENTS}
+    assert train.deepspeed_config(8, 1.0, 1e-5, 0.0, gpu=False)["zero_optimization"] == {  # one rank: no ZeRO
+        "stage": 0, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": train.BUCKET_ELEMENTS}
     with pytest.raises(ValueError, match="zero_stage"):
         train.deepspeed_config(8, 1.0, 1e-5, 0.0, zero_stage=1)
     train.main(["--deepspeed-config", "--gpu"])
     printed = json.loads(capsys.readouterr().out)
     cfg = TrainerConfig()
-    assert printed == train.deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay, gpu=True)
+    assert printed == train.deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay, gpu=True,
+                                             zero_stage=cfg.zero_stage)
     with pytest.raises(ValueError, match="logprob_chunk=0"):  # ZeRO-3 keeps the output layer partitioned
         train.Trainer(TrainerConfig(zero_stage=3, http=False))

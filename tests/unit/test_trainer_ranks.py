@@ -74,7 +74,7 @@ def test_command_channel_over_a_tcp_store():
         receive.receive()
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage):
     """One update (two mini-batches of five samples, micro-batches of two: three per mini-batch,
     so rank 1 also runs a zero-weight padding pass) on a tiny Qwen2, with 1 and with 2 ranks
@@ -84,6 +84,7 @@ def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage):
 
     model_dir = tmp_path / "tiny"
     tiny_qwen2(512, 64, 0).save_pretrained(model_dir)
+    segments_before = deepspeed_segments()
     report = bench_ranks.main(["--model", str(model_dir), "--samples", "10", "--prompt", "40", "--completion", "20",
                                "--micro-batch", "2", "--mini-batches", "2", "--lr", "1e-3", "--out",
                                str(tmp_path / "out"), "--zero-stage", str(zero_stage)])
@@ -92,3 +93,12 @@ def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage):
     assert report["param_rel_diff"] <= 1e-5, report
     assert report["update_rel_diff"] <= 1e-5, report
     assert max(report["metrics_diff"].values()) <= 1e-5, report
+    # each rank's shm all-reduce workspace is unlinked once both mapped it (deepspeed_patches)
+    assert deepspeed_segments() <= segments_before
+
+
+def deepspeed_segments() -> set[str]:
+    """DeepSpeed's shm all-reduce workspaces in /dev/shm now (trainer/deepspeed_patches.py)."""
+    from spanrl.trainer.deepspeed_patches import SHM_BUFFER_NAME, SHM_DIR
+
+    return {p.name for p in SHM_DIR.glob(f"{SHM_BUFFER_NAME}_*")} if SHM_DIR.is_dir() else set()
