@@ -36,6 +36,7 @@ from spanrl.core import dead_letters as dl
 from spanrl.stream_jobs.app_context import MAX_RECORD_BYTES, AppContext, key_text, now_ms
 from spanrl.stream_jobs.app_ticks import ticked
 from spanrl.stream_jobs.clock import TimeoutClock
+from spanrl.stream_jobs.faust_patches import handling
 from spanrl.stream_jobs.spans_reader import SpansReader
 from spanrl.stream_jobs.ticking import FinishedStates, TickIndex, evict_finished
 from spanrl.stream_jobs.waitlist import InputsWaitlist
@@ -219,60 +220,66 @@ class Assembler:
             self.index.note(p, rid, self.expiry(state))
 
     async def run(self, stream) -> None:
-        """The agent: every span, reward, lifecycle event and tick of its partitions, in order."""
+        """The agent: every span, reward, lifecycle event and tick of its partitions, in order;
+        no commit falls inside the handling of one (faust_patches.handling)."""
+        async for event in stream.events():
+            async with handling(self.ctx.app):
+                await self.handle(event.message)
+
+    async def handle(self, msg) -> None:
+        """One span, reward, lifecycle event or tick record: the rollout state's update, then
+        what it lets out."""
         ctx = self.ctx
         cfg, counters, outputs = ctx.cfg, ctx.metrics.counters, ctx.outputs
         rollout_ticks, trace_links = ctx.topics.rollout_ticks, ctx.topics.trace_links
-        async for event in stream.events():
-            msg = event.message
+        now = now_ms()
+        if await ticked(msg, now, rollout_ticks, self.clock, self.rollouts, self.on_tick,
+                        self.index, self.expiry):
+            return
+        record_type, counter, role = self.kinds[msg.topic]
+        counters[counter] += 1
+        # handled from here on, also when it is dead-lettered below
+        self.positions.setdefault(msg.partition, {})[role] = msg.offset + 1
+        try:
+            record = codec.decode(record_type, msg.value)
+        except codec.SchemaError as exc:
+            await outputs.send_dead([dl.dead_letter(
+                exc.reason, dl.ASSEMBLER, now, detail=exc.detail,
+                rollout_id=key_text(msg.key))], msg, msg.value)
+            return
+        rid = record["rollout_id"]
+        if record_type == "span" and record.get("payload_ref") and record.get("kind") == "llm":
+            record = await self.claimed(record, msg)  # only llm calls can be training data
+            if record is None:
+                return
             now = now_ms()
-            if await ticked(msg, now, rollout_ticks, self.clock, self.rollouts, self.on_tick,
-                            self.index, self.expiry):
-                continue
-            record_type, counter, role = self.kinds[msg.topic]
-            counters[counter] += 1
-            # handled from here on, also when it is dead-lettered below
-            self.positions.setdefault(msg.partition, {})[role] = msg.offset + 1
-            try:
-                record = codec.decode(record_type, msg.value)
-            except codec.SchemaError as exc:
-                await outputs.send_dead([dl.dead_letter(
-                    exc.reason, dl.ASSEMBLER, now, detail=exc.detail,
-                    rollout_id=key_text(msg.key))], msg, msg.value)
-                continue
-            rid = record["rollout_id"]
-            if record_type == "span" and record.get("payload_ref") and record.get("kind") == "llm":
-                record = await self.claimed(record, msg)  # only llm calls can be training data
-                if record is None:
-                    continue
-                now = now_ms()
-            state = self.rollouts.get(rid) or assembly.new_state(rid, msg.partition)
-            p = msg.partition
-            if record_type == "span" and cfg.join_traces:
-                link = joining.trace_link(record, now)
-                if link is not None:  # re-keyed by trace id for the join agent
-                    await trace_links.send(key=link["trace_id"].encode(), value=codec.encode("trace_link", link))
-                    counters["trace_links_out"] += 1
-            if record_type == "span":
-                out = assembly.add_span(state, record, self.call_data(p), ctx.assembly_cfg, now,
-                                        at=(msg.topic, msg.partition, msg.offset))
-            elif record_type == "reward":
-                if record.get("final", True):  # for the reward -> transition histogram (/metrics)
-                    ctx.metrics.reward_clock.reward_consumed(rid, record["attempt_id"], time.monotonic())
-                out = assembly.add_reward(state, record, now)
-            else:
-                bound = await self.inputs_bound(p) if assembly.wants_inputs_bound(state, record) else None
-                out = assembly.add_rollout_event(state, record, now, bound)
-            pos = self.positions[p]
-            input_dead, changed = out.dead_letters, out.changed
-            out = await self.advance(state, now, pos)
-            if changed or out.changed:  # a table write is a changelog record
-                self.put(rid, state)
-            self.note_waiting(p, rid, state)
-            await outputs.send_dead(input_dead, msg, msg.value)
-            await outputs.emit(out)
-            if self.waiting.get(p):
-                await self.release_waiting(p, now)
+        state = self.rollouts.get(rid) or assembly.new_state(rid, msg.partition)
+        p = msg.partition
+        if record_type == "span" and cfg.join_traces:
+            link = joining.trace_link(record, now)
+            if link is not None:  # re-keyed by trace id for the join agent
+                await trace_links.send(key=link["trace_id"].encode(), value=codec.encode("trace_link", link))
+                counters["trace_links_out"] += 1
+        if record_type == "span":
+            out = assembly.add_span(state, record, self.call_data(p), ctx.assembly_cfg, now,
+                                    at=(msg.topic, msg.partition, msg.offset))
+        elif record_type == "reward":
+            if record.get("final", True):  # for the reward -> transition histogram (/metrics)
+                ctx.metrics.reward_clock.reward_consumed(rid, record["attempt_id"], time.monotonic())
+            out = assembly.add_reward(state, record, now)
+        else:
+            bound = await self.inputs_bound(p) if assembly.wants_inputs_bound(state, record) else None
+            out = assembly.add_rollout_event(state, record, now, bound)
+        pos = self.positions[p]
+        input_dead, changed = out.dead_letters, out.changed
+        out = await self.advance(state, now, pos)
+        if changed or out.changed:  # a table write is a changelog record
+            self.put(rid, state)
+        self.note_waiting(p, rid, state)
+        await outputs.send_dead(input_dead, msg, msg.value)
+        await outputs.emit(out)
+        if self.waiting.get(p):
+            await self.release_waiting(p, now)
 
     def forget(self, partition: int) -> None:
         """Another worker may handle ``partition`` now: its positions, waitlist, calls' token

@@ -21,6 +21,7 @@ from spanrl.stream_jobs import grouping
 from spanrl.stream_jobs.app_context import MAX_RECORD_BYTES, AppContext, now_ms
 from spanrl.stream_jobs.app_ticks import ticked
 from spanrl.stream_jobs.clock import TimeoutClock
+from spanrl.stream_jobs.faust_patches import handling
 from spanrl.stream_jobs.spans_reader import SpansReader
 from spanrl.stream_jobs.ticking import FinishedStates, TickIndex, evict_finished
 from spanrl.stream_jobs.transition_store import TransitionStore
@@ -92,28 +93,34 @@ class Grouper:
             self.index.note(state["partition"], tid, self.expiry(state))
 
     async def run(self, stream) -> None:
-        """The agent: every transition and tick of its partitions, in order."""
+        """The agent: every transition and tick of its partitions, in order; no commit falls
+        inside the handling of one (faust_patches.handling)."""
+        async for event in stream.events():
+            async with handling(self.ctx.app):
+                await self.handle(event.message)
+
+    async def handle(self, msg) -> None:
+        """One transition or tick record: the group state's update, then its samples and
+        dead letters."""
         ctx = self.ctx
         outputs, task_ticks = ctx.outputs, ctx.topics.task_ticks
-        async for event in stream.events():
-            msg = event.message
-            now = now_ms()
-            if await ticked(msg, now, task_ticks, self.clock, self.groups, self.on_tick, self.index, self.expiry):
-                continue
-            try:
-                tr = codec.decode("transition", msg.value)
-            except codec.SchemaError as exc:
-                await outputs.send_dead([dl.dead_letter(exc.reason, dl.GROUPER, now, detail=exc.detail)],
-                                        msg, msg.value)
-                continue
-            state = self.groups.get(tr["task_id"]) or grouping.new_state(tr["task_id"], msg.partition)
-            store = await self.reread_transitions(state)
-            out = grouping.add_transition(state, store.decoded_from(tr, msg.value), store, ctx.grouping_cfg, now,
-                                          at=(msg.topic, msg.partition, msg.offset))
-            store.decoded_from(None, b"")
-            self.put(tr["task_id"], state)
-            await outputs.send_samples(out.samples)
-            await outputs.send_dead(out.dead_letters)
+        now = now_ms()
+        if await ticked(msg, now, task_ticks, self.clock, self.groups, self.on_tick, self.index, self.expiry):
+            return
+        try:
+            tr = codec.decode("transition", msg.value)
+        except codec.SchemaError as exc:
+            await outputs.send_dead([dl.dead_letter(exc.reason, dl.GROUPER, now, detail=exc.detail)],
+                                    msg, msg.value)
+            return
+        state = self.groups.get(tr["task_id"]) or grouping.new_state(tr["task_id"], msg.partition)
+        store = await self.reread_transitions(state)
+        out = grouping.add_transition(state, store.decoded_from(tr, msg.value), store, ctx.grouping_cfg, now,
+                                      at=(msg.topic, msg.partition, msg.offset))
+        store.decoded_from(None, b"")
+        self.put(tr["task_id"], state)
+        await outputs.send_samples(out.samples)
+        await outputs.send_dead(out.dead_letters)
 
     def forget(self, partition: int) -> None:
         """Another worker may handle ``partition`` now: its waiting transitions and index go

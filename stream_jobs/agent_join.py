@@ -15,6 +15,7 @@ from spanrl.stream_jobs import joining
 from spanrl.stream_jobs.app_context import MAX_RECORD_BYTES, AppContext, now_ms
 from spanrl.stream_jobs.app_ticks import ticked
 from spanrl.stream_jobs.clock import TimeoutClock
+from spanrl.stream_jobs.faust_patches import handling
 
 
 class Joiner:
@@ -58,31 +59,36 @@ class Joiner:
             await self.ctx.outputs.send_dead(out.dead_letters)
 
     async def run(self, stream) -> None:
-        """The agent: every orphan span, trace link and tick of its partitions, in order."""
+        """The agent: every orphan span, trace link and tick of its partitions, in order; no
+        commit falls inside the handling of one (faust_patches.handling)."""
+        async for event in stream.events():
+            async with handling(self.ctx.app):
+                await self.handle(event.message)
+
+    async def handle(self, msg) -> None:
+        """One orphan span, trace link or tick record."""
         ctx = self.ctx
         cfg, counters, join_ticks = ctx.cfg, ctx.metrics.counters, ctx.topics.join_ticks
-        async for event in stream.events():
-            msg = event.message
-            now = now_ms()
-            if await ticked(msg, now, join_ticks, self.clock, self.traces, self.on_tick):
-                continue
-            is_orphan = msg.topic == cfg.orphan_spans_topic
-            counters["orphans_in" if is_orphan else "trace_links_in"] += 1
-            try:
-                record = codec.decode("span" if is_orphan else "trace_link", msg.value)
-            except codec.SchemaError as exc:
-                await ctx.outputs.send_dead([dl.dead_letter(exc.reason, dl.JOINER, now, detail=exc.detail)],
-                                            msg, msg.value)
-                continue
-            tid = record["trace_id"]
-            state = self.traces.get(tid) or joining.new_state(tid, msg.partition)
-            if is_orphan:
-                out = joining.add_orphan(state, record, msg.value, msg.offset, self.orphans, now)
-            else:
-                out = joining.add_link(state, record, self.orphans, now)
-            if out.changed:
-                self.traces[tid] = state
-            await self.send_joined(out.spans)
+        now = now_ms()
+        if await ticked(msg, now, join_ticks, self.clock, self.traces, self.on_tick):
+            return
+        is_orphan = msg.topic == cfg.orphan_spans_topic
+        counters["orphans_in" if is_orphan else "trace_links_in"] += 1
+        try:
+            record = codec.decode("span" if is_orphan else "trace_link", msg.value)
+        except codec.SchemaError as exc:
+            await ctx.outputs.send_dead([dl.dead_letter(exc.reason, dl.JOINER, now, detail=exc.detail)],
+                                        msg, msg.value)
+            return
+        tid = record["trace_id"]
+        state = self.traces.get(tid) or joining.new_state(tid, msg.partition)
+        if is_orphan:
+            out = joining.add_orphan(state, record, msg.value, msg.offset, self.orphans, now)
+        else:
+            out = joining.add_link(state, record, self.orphans, now)
+        if out.changed:
+            self.traces[tid] = state
+        await self.send_joined(out.spans)
 
     async def stop(self) -> None:
         """Stop the joined spans' producer, if one was made."""

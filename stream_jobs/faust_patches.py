@@ -7,7 +7,8 @@ faust-streaming tracker's known issues it relates to are cited; where none says 
 exactly, the report below is the one to file). Unit tests, each failing without its patch
 (checked by disabling each in turn): tests/unit/test_faust_patches.py (send: the source
 partition's transaction; commit: the queued changelog writes go first; recovery highwaters;
-resume; the version refused with what to do, at make_app), tests/unit/test_faust_buffer_drain.py
+resume; the commit between events; the version refused with what to do, at make_app),
+tests/unit/test_faust_buffer_drain.py
 (the drain, and the write the background sender holds); end to end: test_stream_app /
 test_chaos (worker SIGKILL: 0 lost, 0 duplicated).
 
@@ -53,11 +54,28 @@ test_chaos (worker SIGKILL: 0 lost, 0 duplicated).
    committed (spanrl CI, worker SIGKILL, 1 run in 3-5). Expected: resume() clears queues only
    when it ends a suspension; revoked partitions' records are already cleared by
    ``flow_control.clear()`` in ``on_partitions_revoked``."
+
+4. :class:`EventBarrier` (taken by the commit of patch 1; agents hold :func:`handling` around
+   each event): a commit never falls inside the handling of an event.
+
+   Upstream report: "exactly_once: a commit can split the outputs of one event between two
+   transactions. ``Consumer._commit_handler`` commits every ``broker_commit_interval`` as a
+   task of its own, concurrently with the agents. An agent that writes a table and then awaits
+   its sends (``await topic.send()`` yields to the loop) can have the changelog write and the
+   first sends committed while the rest go into the next transaction; a SIGKILL aborts that
+   one, and the restarted worker, given the event again (its offset was not committed),
+   restores the state that says the outputs were made. Seen as a GRPO group whose samples
+   were partly lost (spanrl CI, worker SIGKILL: 8 of 36 transitions in no sample, 4 samples
+   of the group with advantages computed over members whose samples never came). Expected:
+   the commit runs between events (as Kafka Streams commits between records on its stream
+   thread): an event's table writes and its sends are in one transaction."
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from typing import AsyncIterator
 
 from faust.streams import current_event
 
@@ -140,8 +158,10 @@ def _install_source_partition_transactions() -> None:
     # land in the next one; a crash aborts that one, and the restarted worker restores a
     # state without the input while the input is never read again (`make chaos`, worker
     # fault: 13 of 72 calls lost). We drain the buffer into the open transactions before
-    # committing. Writes of events not yet in `offsets` may ride along; the assembly and
-    # grouping updates are idempotent, so re-reading such an event after a crash is a no-op.
+    # committing. Writes of events not yet in `offsets` may ride along - whole: patch 4 (the
+    # EventBarrier) keeps the commit out of an event's handling, so such an event's state
+    # write goes with all of its outputs, and re-reading it after a crash is a no-op (the
+    # assembly and grouping updates are idempotent).
     # Faust's own Producer.flush() does not drain it: ProducerBuffer.flush_atmost waits 0.1 s
     # per message for the background sender and returns on that time-out with messages
     # still queued, and it does not wait for the one the sender holds. On 2 busy cores that
@@ -152,9 +172,10 @@ def _install_source_partition_transactions() -> None:
     original_commit = TransactionManager.commit
 
     async def commit(self, offsets, start_new_transaction: bool = True):
-        await drain_producer_buffer(self.app.producer.buffer)
-        await self.producer.flush()
-        return await original_commit(self, offsets, start_new_transaction=start_new_transaction)
+        async with event_barrier(self.app).committing():  # patch 4: between events, never inside one
+            await drain_producer_buffer(self.app.producer.buffer)
+            await self.producer.flush()
+            return await original_commit(self, offsets, start_new_transaction=start_new_transaction)
 
     commit._spanrl_patched = True
     TransactionManager.commit = commit
@@ -200,6 +221,63 @@ async def drain_producer_buffer(buffer) -> int:
         if not getattr(buffer, "_spanrl_sending", 0) and buffer.pending.empty():
             return sent
         await asyncio.sleep(0.001)  # the background sender finishes the write it holds
+
+
+class EventBarrier:
+    """Patch 4: agents handle events while no commit runs; a commit waits until no event is
+    being handled, and events that come while it waits wait for it (the commit goes first,
+    so a busy worker still commits every ``broker_commit_interval``). Many events may be
+    handled at once (one per agent); commits run one at a time (Faust's ``_commit_fut``), and
+    overlapping ones (a rebalance's beside the timer's) are counted."""
+
+    def __init__(self) -> None:
+        self.handling_now = 0
+        self.committing_now = 0
+        self._idle = asyncio.Event()  # no event is being handled
+        self._idle.set()
+        self._open = asyncio.Event()  # no commit runs or waits
+        self._open.set()
+
+    @contextlib.asynccontextmanager
+    async def handling(self) -> AsyncIterator[None]:
+        """Around the handling of one event: its table writes and sends."""
+        while not self._open.is_set():
+            await self._open.wait()
+        self.handling_now += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.handling_now -= 1
+            if not self.handling_now:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def committing(self) -> AsyncIterator[None]:
+        """Around a commit: waits for the events being handled, holds new ones off."""
+        self.committing_now += 1
+        self._open.clear()
+        try:
+            await self._idle.wait()
+            yield
+        finally:
+            self.committing_now -= 1
+            if not self.committing_now:
+                self._open.set()
+
+
+def event_barrier(app) -> EventBarrier:
+    """The app's :class:`EventBarrier` (made on first use)."""
+    barrier = getattr(app, "_spanrl_event_barrier", None)
+    if barrier is None:
+        barrier = EventBarrier()
+        app._spanrl_event_barrier = barrier
+    return barrier
+
+
+def handling(app) -> contextlib.AbstractAsyncContextManager:
+    """``async with handling(app):`` around an agent's handling of one event (patch 4)."""
+    return event_barrier(app).handling()
 
 
 def _install_recovery_highwaters() -> None:

@@ -145,6 +145,42 @@ def test_a_commit_carries_the_changelog_writes_queued_before_it():
                    ("commit", {"app-0-2": {TP("spans", 2): 41}})]
 
 
+def test_a_commit_waits_for_the_event_being_handled_and_holds_the_next_off():
+    """Patch 4: upstream's timer commit runs beside the agents, so an agent's state write and
+    first outputs could be committed while its later sends (each ``await topic.send()`` yields
+    to the loop) went into the next transaction - lost with it on a SIGKILL, while the
+    re-delivered event finds the state that says they were made. Patched: the commit waits for
+    the event being handled; an event that comes while it waits is handled after it; two
+    agents still handle their events side by side."""
+    faust_patches.install()
+    log: list = []
+    tm = _manager(_Recorder(log), log)
+
+    async def agent(name: str, start_s: float) -> None:
+        await asyncio.sleep(start_s)
+        async with faust_patches.handling(tm.app):
+            log.append((name, "state"))
+            await asyncio.sleep(0.03)  # a send that yields to the loop
+            log.append((name, "samples"))
+
+    async def commit(start_s: float) -> None:
+        await asyncio.sleep(start_s)
+        await TransactionManager.commit(tm, {TP("transitions", 1): 8})
+
+    async def main():
+        buf = ProducerBuffer()
+        buf.app = SimpleNamespace(conf=SimpleNamespace(producer_threaded=False))
+        tm.app.producer.buffer = buf
+        await asyncio.gather(agent("group", 0), agent("assemble", 0.005), commit(0.01), agent("join", 0.02))
+        barrier = faust_patches.event_barrier(tm.app)
+        return barrier.handling_now, barrier.committing_now
+
+    assert asyncio.run(main()) == (0, 0)
+    assert log == [("group", "state"), ("assemble", "state"), ("group", "samples"), ("assemble", "samples"),
+                   "flush", ("commit", {"app-1-1": {TP("transitions", 1): 8}}),
+                   ("join", "state"), ("join", "samples")]
+
+
 def test_recovery_reads_each_changelogs_end_from_the_broker():
     """Patch 2: in a transaction upstream takes the last stable offset from the fetch state,
     unknown (-1 here, as aiokafka answers before a fetch) at recovery: every changelog reads
