@@ -19,6 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
+from spanrl.core.disk import tree_bytes
+
 GIB = 1024 ** 3
 
 # Disk the commands use at their peak (bytes), measured on this project's runs (fresh clones,
@@ -145,23 +147,6 @@ def largest_entries(paths: list[Path], top: int = 8) -> list[tuple[Path, int]]:
         for child in root.iterdir():
             sizes.append((child, tree_bytes(child)))
     return sorted(sizes, key=lambda e: -e[1])[:top]
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes of the files at or below ``path`` (symbolic links not followed; 0 if gone)."""
-    if path.is_symlink() or not path.is_dir():
-        try:
-            return path.lstat().st_size
-        except OSError:
-            return 0
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def minio_data_dirs_in_use() -> set[Path]:

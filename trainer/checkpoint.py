@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
+from spanrl.core.disk import tree_bytes
+
 log = logging.getLogger("spanrl.checkpoint")
 
 MANIFEST = "manifest.json"
@@ -522,10 +524,6 @@ def local_run_dirs(cache_dir: Path, run: str) -> list[Path]:
     return [cache_dir / "trainer" / run, cache_dir / "checkpoints" / run, cache_dir / "checkpoints" / "pinned" / run]
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
-
-
 def list_runs(client, bucket: str, cache_dir: Path) -> dict[str, dict]:
     """Every run that has objects under ``bucket/RUN/`` or a local directory of
     :func:`local_run_dirs`: ``{run: {"store_bytes", "store_objects", "local_bytes"}}``
@@ -545,7 +543,7 @@ def list_runs(client, bucket: str, cache_dir: Path) -> dict[str, dict]:
         if root.is_dir():
             for d in root.iterdir():
                 if d.is_dir() and not (root.name == "checkpoints" and d.name == "pinned"):
-                    entry(d.name)["local_bytes"] += _tree_bytes(d)
+                    entry(d.name)["local_bytes"] += tree_bytes(d)
     return runs
 
 
@@ -564,6 +562,6 @@ def delete_run(client, bucket: str, cache_dir: Path, run: str) -> dict:
             removed["store_objects"] += 1
             removed["store_bytes"] += int(o.size or 0)
     for d in dirs:
-        removed["local_bytes"] += _tree_bytes(d)
+        removed["local_bytes"] += tree_bytes(d)
         shutil.rmtree(d, ignore_errors=True)
     return removed
