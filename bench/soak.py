@@ -24,7 +24,8 @@ every ``--checkpoint-every`` updates (MinIO keeps the last 2).
 
 Measured every ``--sample-s``: CPU and RSS of the bridge, the worker, the trainer, the Kafka
 broker, MinIO and this client (psutil); every 30 s the worker's ``/spanrl/held/`` (states per
-table) and ``/spanrl/counters/``. Checked at the end: calls in (LLM spans exported) =
+table) and ``/spanrl/counters/``, with the trainer's malloc heap after its latest update (its log's
+``heap``: in use, freed and kept, mmapped; their trends are reported, not judged). Checked at the end: calls in (LLM spans exported) =
 transitions out = samples out = samples the trainer received, none duplicated (by rollout,
 attempt and span id on transitions and samples), no dead letter; each process's memory trend
 between the warm-up and the end of the feed (bench.metrics.memory_trend; flat: the fitted growth
@@ -202,8 +203,15 @@ class SoakSide(SpanrlSustained):
         finally:
             await c.stop()
 
+    def trainer_heap(self) -> dict | None:
+        """What malloc held in the trainer after its latest update (its log's ``heap``:
+        spanrl/core/heap.py), or None before the first."""
+        updates = self.trainer_events("update")
+        return updates[-1].get("heap") if updates else None
+
     async def poll_held(self, stop_evt: asyncio.Event, t0: float) -> None:
-        """The worker's /spanrl/held/ and evictions every 30 s (what it holds, by table)."""
+        """The worker's /spanrl/held/ and evictions every 30 s (what it holds, by table), with
+        the trainer's malloc heap after its latest update."""
         while not stop_evt.is_set():
             try:
                 base = f"http://127.0.0.1:{self.web_ports[0]}/spanrl"
@@ -214,7 +222,8 @@ class SoakSide(SpanrlSustained):
                                   "tasks_finished": held["tasks_finished"],
                                   "rollouts_evicted": counters["rollouts_evicted"],
                                   "tasks_evicted": counters["tasks_evicted"], "calls_held": counters["calls_held"],
-                                  "transitions_held": counters["transitions_held"]})
+                                  "transitions_held": counters["transitions_held"],
+                                  "trainer_heap": self.trainer_heap()})
             except (OSError, KeyError, ValueError) as exc:
                 self.log(f"held sample failed: {exc!r}")
             try:
@@ -300,6 +309,10 @@ def run(a) -> dict:
                      for name, pts in series.items() if name != "client"}
     for tr in res["memory"].values():
         tr["flat"] = M.is_flat(tr)
+    # the trainer's RSS split: malloc's memory in use vs freed and kept (a leak grows the first)
+    res["trainer_heap"] = {key: M.memory_trend([(h["t"], h["trainer_heap"][key]) for h in res["held"]
+                                                if h.get("trainer_heap") and h["t"] <= a.duration_s], a.warmup_s)
+                           for key in ("in_use_mib", "free_held_mib", "mmapped_mib")}
     res["checks"] = checks(res)
     res["ok"] = all(c["ok"] for c in res["checks"].values())
     js = json.dumps(res, indent=1, default=str)
@@ -382,6 +395,9 @@ def table(res: dict) -> str:
              f"{res['params']['duration_s']:.0f} s (warm-up {res['params']['warmup_s']:.0f} s)"]
     for name, c in res["checks"].items():
         lines.append(f"  {'ok ' if c['ok'] else 'BAD'} {name}: {c['detail']}")
+    for key, tr in (res.get("trainer_heap") or {}).items():
+        lines.append(f"  trainer malloc {key}: {tr['first_mib']} -> {tr['last_mib']} MiB, "
+                     f"{tr['slope_mib_per_h']:+.1f} MiB/h after the warm-up")
     if res.get("held"):
         h = res["held"][-1]
         lines.append(f"  worker holds at the end: {h['tables']}; evicted rollouts {h['rollouts_evicted']}, "
@@ -399,6 +415,10 @@ def plot(res: dict, png: Path) -> None:
     warm = res["params"]["warmup_s"]
     for name, pts in res["series"]["processes"].items():
         ax[0].plot([p[0] / 60 for p in pts], [p[2] for p in pts], label=name)
+    heap_pts = [h for h in res.get("held") or [] if h.get("trainer_heap")]
+    for key, style in (("in_use_mib", "--"), ("free_held_mib", ":")):
+        ax[0].plot([h["t"] / 60 for h in heap_pts], [h["trainer_heap"][key] for h in heap_pts], style,
+                   label=f"trainer malloc {key[:-4].replace('_', ' ')}")
     ax[0].set_ylabel("RSS MiB")
     ax[0].set_title(f"soak: RSS per process (flat after the warm-up: "
                     f"{', '.join(n for n, t in res['memory'].items() if t['flat'])})")

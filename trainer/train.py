@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -39,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from spanrl.core import heap
 from spanrl.core import settings as env
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
@@ -871,6 +874,8 @@ class Trainer:
         self.minio = checkpoint.make_client(self.settings)
         self.engine = None
         self.model_dir = self.base_dir  # where the current weights were loaded from (tokenizer files too)
+        # every torch call of the service runs on this one thread (:meth:`on_torch_thread`)
+        self.torch_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spanrl-torch")
         self._stop = asyncio.Event()
         # trained_offsets of the parent checkpoint (or the run's start): where the next
         # checkpoint's consumed_offsets ranges begin
@@ -1006,6 +1011,16 @@ class Trainer:
         finally:
             await producer.stop()
 
+    async def on_torch_thread(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the trainer's one torch thread (loading, updates, ZeRO-3
+        gathers, checkpoint saves), awaited. glibc gives each thread that allocates its own
+        malloc arena and keeps what is freed there for that arena: with asyncio's default
+        pool (up to cores + 4 threads) each update's activations could come from a different
+        arena, every one of them keeping an update's worth (the second hour-long soak's trainer
+        stepped up ~70 MiB at minute 30 and stayed). One thread, one arena."""
+        return await asyncio.get_running_loop().run_in_executor(self.torch_thread,
+                                                                functools.partial(fn, *args, **kwargs))
+
     async def publish(self) -> None:
         """Save, upload (manifest last) and announce version ``state.version + 1``.
 
@@ -1023,8 +1038,8 @@ class Trainer:
         consumed = checkpoint.consumed_ranges(self._consumed_from, trained)
         if self.channel is not None and self.cfg.zero_stage == 3:  # every rank gives its partition
             self.channel.send({"op": "gather"})
-        state = await asyncio.to_thread(gathered_state_dict, self.engine) if self.cfg.zero_stage == 3 else None
-        manifest = await asyncio.to_thread(
+        state = await self.on_torch_thread(gathered_state_dict, self.engine) if self.cfg.zero_stage == 3 else None
+        manifest = await self.on_torch_thread(
             save_checkpoint, self.engine.module, self.model_dir, out, state_dict=state, run=self.run, version=version,
             parent_version=parent, base_model=base_model_id(self.model_dir), step=self.state.step,
             trained_offsets=trained, consumed_offsets=consumed, metrics=metrics,
@@ -1190,7 +1205,7 @@ class Trainer:
 
     async def _serve(self) -> None:
         if self.world > 1:  # the group's rendezvous (rank 0 serves its store) before anything else
-            await asyncio.to_thread(init_distributed)
+            await self.on_torch_thread(init_distributed)
             self.channel = ranks.CommandChannel(_STORE, readers=self.world - 1)
         try:
             await self._serve_samples()
@@ -1205,7 +1220,7 @@ class Trainer:
         from spanrl.schemas.codec import SchemaError, decode
 
         await self._retry("resume", self.resume)
-        await asyncio.to_thread(self.load_policy)
+        await self.on_torch_thread(self.load_policy)
         # an adapter checkpoint has no tokenizer files: the base model's (the same for full weights)
         tok = AutoTokenizer.from_pretrained(str(self.base_dir if self.adapter else self.model_dir))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -1347,8 +1362,8 @@ class Trainer:
             # returns once every rank has stepped (train_update's last collective)
             self.state.in_update = True
             try:
-                metrics = await asyncio.to_thread(train_update, self.engine, samples, ref_model=self.ref_model,
-                                                  self_imitation=self.self_imitation, **options)
+                metrics = await self.on_torch_thread(train_update, self.engine, samples, ref_model=self.ref_model,
+                                                        self_imitation=self.self_imitation, **options)
             finally:
                 self.state.in_update = False
         # the trained offsets (what /status says was trained, and the next manifest) advance only
@@ -1380,6 +1395,7 @@ class Trainer:
                    "version": self.state.version, **{k: round(v, 6) if isinstance(v, float) else v
                                                      for k, v in metrics.items()},
                    "offsets": dict(self.state.trained_offsets),
+                   "heap": heap.malloc_totals(),  # what malloc holds after the update (spanrl/core/heap.py)
                    "consumed": checkpoint.consumed_ranges(before, self.state.trained_offsets),
                    "skipped": dict(self.state.skipped)})
         if self.state.updates % self.cfg.checkpoint_every == 0 or publish_empty:

@@ -187,3 +187,27 @@ def test_chunked_token_logprobs_exact_value_and_errors():
     assert out.tolist()[0][0] == 0.0 and out.tolist()[0][1] == pytest.approx(-0.2876821, abs=1e-6)
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         losses.chunked_token_logprobs(hidden, weight, torch.tensor([[0, 1]]), torch.tensor([[0.0, 1.0]]), 0)
+
+
+def test_the_services_torch_work_runs_on_one_thread(tmp_path):
+    """Updates, loads and checkpoint saves run on the trainer's one torch thread (one malloc
+    arena), also while other work keeps asyncio's default pool busy."""
+    import asyncio
+    import threading
+
+    from spanrl.trainer import train
+
+    t = train.Trainer(TrainerConfig(run="unit", http=False, log_path=tmp_path / "t.jsonl"))
+
+    def where(tag: str) -> tuple[str, int, str]:
+        return tag, threading.get_ident(), threading.current_thread().name
+
+    async def main():
+        busy = [asyncio.to_thread(threading.Event().wait, 0.05) for _ in range(4)]
+        ran = await asyncio.gather(*busy, *(t.on_torch_thread(where, tag=f"u{i}") for i in range(6)))
+        return ran[4:]
+
+    ran = asyncio.run(main())
+    assert [tag for tag, _, _ in ran] == [f"u{i}" for i in range(6)]
+    assert len({ident for _, ident, _ in ran}) == 1 and ran[0][2].startswith("spanrl-torch")
+    t.torch_thread.shutdown()
