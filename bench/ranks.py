@@ -1,7 +1,7 @@
 """One update of the same batch with 1 rank and with N ranks (issue 20 items 2 and 4).
 
     python -m bench.ranks [--ranks 2] [--model DIR] [--samples 16] [--prompt 120] [--completion 60]
-                          [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--updates 1]
+                          [--calls 1] [--prefix-merge] [--micro-batch 4] [--mini-batches 1] [--lr 1e-5] [--updates 1]
                           [--zero-stage 0|2|3] [--logprob-chunk N] [--out DIR]
 
 Each group is started the way the trainer starts itself with ``SPANRL_TRAINER_RANKS`` > 1:
@@ -31,19 +31,30 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def synthetic_samples(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> list[dict]:
-    """``n`` samples in groups of 4 (task ``t<i // 4>``), prompt and completion lengths drawn in
-    ``[len/2, len]``, token ids in ``[1, vocab)``, returns 1.0 / 0.0 alternating (a group's
-    advantages are ±1 after GRPO's scaling); behaviour log-probs are filled in by the worker."""
+def synthetic_samples(n: int, prompt: int, completion: int, vocab: int, seed: int = 0, calls: int = 1) -> list[dict]:
+    """``n`` samples: rollouts of ``calls`` calls each (the last may have fewer), in groups of 4
+    rollouts (task ``t<rollout // 4>``), returns 1.0 / 0.0 alternating by rollout (a group's
+    advantages are ±1 after GRPO's scaling). A rollout's first prompt and each completion have
+    lengths drawn in ``[len/2, len]``; call k > 0's prompt is call k-1's prompt + completion + 3-6
+    inserted tokens (a tool result), so with ``calls`` > 1 the calls of a rollout chain
+    (trainer/prefix_merge.py). Token ids in ``[1, vocab)``; behaviour log-probs are filled in by
+    the worker."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        p, c = rng.randint(prompt // 2, prompt), rng.randint(completion // 2, completion)
-        ret = float(i % 2)
-        out.append({"group_id": f"t{i // 4}", "group_std": 0.5, "group_rollouts": 4, "advantage": 2 * ret - 1,
+        r, k = divmod(i, calls)
+        if k == 0:
+            context = [rng.randrange(1, vocab) for _ in range(rng.randint(prompt // 2, prompt))]
+        else:
+            prev = out[-1]["transition"]
+            context = (prev["prompt_token_ids"] + prev["completion_token_ids"]
+                       + [rng.randrange(1, vocab) for _ in range(rng.randint(3, 6))])
+        c = rng.randint(completion // 2, completion)
+        ret = float(r % 2)
+        out.append({"group_id": f"t{r // 4}", "group_std": 0.5, "group_rollouts": 4, "advantage": 2 * ret - 1,
                     "transition": {
-                        "rollout_id": f"r{i}", "attempt_id": f"r{i}-a0", "task_id": f"t{i // 4}",
-                        "prompt_token_ids": [rng.randrange(1, vocab) for _ in range(p)],
+                        "rollout_id": f"r{r}", "attempt_id": f"r{r}-a0", "task_id": f"t{r // 4}", "call_index": k,
+                        "agent_name": "solver", "prompt_token_ids": context,
                         "completion_token_ids": [rng.randrange(1, vocab) for _ in range(c)],
                         "behaviour_logprobs": [0.0] * c, "episode_return": ret, "reward": ret}})
     return out
@@ -74,7 +85,8 @@ def worker(spec_path: Path) -> None:
     out = Path(spec["out"])
     torch.manual_seed(0)
     model = load_model(Path(spec["model"]), activation_checkpointing=spec["activation_checkpointing"])
-    samples = synthetic_samples(spec["samples"], spec["prompt"], spec["completion"], model.config.vocab_size)
+    samples = synthetic_samples(spec["samples"], spec["prompt"], spec["completion"], model.config.vocab_size,
+                                calls=spec.get("calls", 1))
     fill_behaviour_logprobs(model, samples)
     engine = build_engine(model, lr=spec["lr"], micro_batch=spec["micro_batch"], zero_stage=spec["zero_stage"])
     rank, world = rank_and_world()
@@ -86,7 +98,7 @@ def worker(spec_path: Path) -> None:
         t0 = time.perf_counter()
         metrics = train_update(engine, samples, micro_batch=spec["micro_batch"],
                                micro_batch_tokens=spec["micro_batch_tokens"], mini_batches=spec["mini_batches"],
-                               logprob_chunk=spec["logprob_chunk"])
+                               logprob_chunk=spec["logprob_chunk"], prefix_merge=spec.get("prefix_merge", False))
         seconds.append(time.perf_counter() - t0)
     state = gathered_state_dict(engine)
     if rank == 0:
@@ -142,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=120)
     ap.add_argument("--completion", type=int, default=60)
+    ap.add_argument("--calls", type=int, default=1, help="calls per rollout, each extending the last (chains)")
+    ap.add_argument("--prefix-merge", action="store_true", help="train chained calls as merged rows")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--micro-batch-tokens", type=int, default=2048)
     ap.add_argument("--mini-batches", type=int, default=1)
@@ -163,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(args.model or get_settings().model_dir), "samples": args.samples, "prompt": args.prompt,
-            "completion": args.completion, "micro_batch": args.micro_batch,
+            "completion": args.completion, "calls": args.calls, "prefix_merge": args.prefix_merge,
+            "micro_batch": args.micro_batch,
             "micro_batch_tokens": args.micro_batch_tokens, "mini_batches": args.mini_batches, "lr": args.lr,
             "updates": args.updates, "zero_stage": args.zero_stage,
             "logprob_chunk": args.logprob_chunk if args.logprob_chunk is not None else
@@ -183,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                          if isinstance(m1.get(k), float) and isinstance(mn.get(k), float)},
         "groups": {str(n): {"update_s": max(r["update_s"] for r in g["ranks"]), "wall_s": round(g["wall_s"], 1),
                             "peak_rss_mib_per_rank": [round(r["peak_rss_mib"]) for r in g["ranks"]],
-                            "steps": g["ranks"][0]["metrics"]["steps"]}
+                            "steps": g["ranks"][0]["metrics"]["steps"],
+                            "rows": g["ranks"][0]["metrics"].get("prefix_merge_rows")}
                    for n, g in groups.items()},
     }
     (out / "ranks.json").write_text(json.dumps(report, indent=1))

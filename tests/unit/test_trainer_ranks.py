@@ -74,21 +74,27 @@ def test_command_channel_over_a_tcp_store():
         receive.receive()
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2, 3])
-def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,merged", [(0, False), (2, False), (3, False), (0, True)])
+def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage, merged):
     """One update (two mini-batches of five samples, micro-batches of two: three per mini-batch,
     so rank 1 also runs a zero-weight padding pass) on a tiny Qwen2, with 1 and with 2 ranks
-    started by DeepSpeed's launcher, ZeRO-2 and ZeRO-3 (its weights gathered for the comparison
-    as for a checkpoint): the same parameters within float summation order."""
+    started by DeepSpeed's launcher, without ZeRO, ZeRO-2 and ZeRO-3 (its weights gathered for
+    the comparison as for a checkpoint): the same parameters within float summation order.
+    ``merged``: 5 rollouts of 3 chained calls trained as prefix-merged rows (the default), the
+    rows split over the ranks."""
     from bench import ranks as bench_ranks
 
     model_dir = tmp_path / "tiny"
     tiny_qwen2(512, 64, 0).save_pretrained(model_dir)
     segments_before = deepspeed_segments()
-    report = bench_ranks.main(["--model", str(model_dir), "--samples", "10", "--prompt", "40", "--completion", "20",
-                               "--micro-batch", "2", "--mini-batches", "2", "--lr", "1e-3", "--out",
+    shape = ["--samples", "15", "--calls", "3", "--prefix-merge", "--micro-batch", "1"] if merged else [
+        "--samples", "10", "--micro-batch", "2"]
+    report = bench_ranks.main(["--model", str(model_dir), *shape, "--prompt", "40", "--completion", "20",
+                               "--mini-batches", "2", "--lr", "1e-3", "--out",
                                str(tmp_path / "out"), "--zero-stage", str(zero_stage)])
     assert report["groups"]["1"]["steps"] == report["groups"]["2"]["steps"] == 2
+    if merged:  # chains cut only where the content-order split into 2 mini-batches cuts them
+        assert 5 <= report["groups"]["1"]["rows"] == report["groups"]["2"]["rows"] < 15
     assert report["update_norm"] > 1e-3  # the update moved the parameters
     assert report["param_rel_diff"] <= 1e-5, report
     assert report["update_rel_diff"] <= 1e-5, report
