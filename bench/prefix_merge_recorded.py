@@ -23,15 +23,46 @@ import time
 from pathlib import Path
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tree_tokens(samples: list[dict]) -> int:
+    """Tokens a prefix tree of each attempt's calls would forward (AReaL's tree training: a
+    call's tokens shared with an earlier call of the same attempt are forwarded once): over the
+    calls of each ``(rollout_id, attempt_id)`` in ``call_index`` order, ``len(prompt +
+    completion)`` minus the longest prefix it shares with an earlier call. A lower bound for
+    what merged rows (paths only) can reach."""
+    attempts: dict[tuple, list[dict]] = {}
+    for s in samples:
+        t = s["transition"]
+        attempts.setdefault((t["rollout_id"], t["attempt_id"]), []).append(t)
+    total = 0
+    for calls in attempts.values():
+        seen: list[list[int]] = []
+        for t in sorted(calls, key=lambda t: t.get("call_index", 0)):
+            seq = t["prompt_token_ids"] + t["completion_token_ids"]
+            total += len(seq) - max((common_prefix(seq, prev) for prev in seen), default=0)
+            seen.append(seq)
+    return total
+
+
 def merge_counts(samples: list[dict], stop_ids: "set[int] | None") -> dict:
     """``prefix_merge.merge_calls`` over ``samples`` (Sample dicts, one mini-batch) with their own
-    advantages: ``{"calls", "rows", "links", "tokens", "tokens_per_call", "breaks"}``;
-    ``tokens`` are forwarded merged, ``tokens_per_call`` per call (prompt + completion each)."""
+    advantages: ``{"calls", "rows", "links", "tokens", "tokens_per_call", "tokens_tree",
+    "breaks"}``; ``tokens`` are forwarded merged, ``tokens_per_call`` per call (prompt +
+    completion each), ``tokens_tree`` by a prefix tree of each attempt (:func:`tree_tokens`)."""
     from spanrl.trainer.prefix_merge import merge_calls
 
     m = merge_calls(samples, [s["advantage"] for s in samples], stop_ids)
     return {"calls": len(samples), "rows": len(m.rows), "links": m.links, "tokens": m.tokens,
-            "tokens_per_call": m.tokens_per_call, "breaks": dict(m.breaks)}
+            "tokens_per_call": m.tokens_per_call, "tokens_tree": tree_tokens(samples), "breaks": dict(m.breaks)}
 
 
 def side_by_side(samples: list[dict], model_dir: Path) -> dict:
@@ -89,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
               "per_version": {v: merge_counts(by_version[v], stop_ids) for v in sorted(by_version)}}
     for v, c in report["per_version"].items():
         console.print(f"version {v}: {c['calls']} calls -> {c['rows']} rows, {c['tokens']} tokens merged vs "
-                      f"{c['tokens_per_call']} per call; breaks {c['breaks']}")
+                      f"{c['tokens_per_call']} per call ({c['tokens_tree']} as a prefix tree); breaks {c['breaks']}")
     with console.status(f"one update of version {args.update_version}'s samples, per call then merged"):
         report["side_by_side"] = side_by_side(by_version[args.update_version], model_dir)
     console.print(json.dumps(report["side_by_side"]))

@@ -131,3 +131,18 @@ def test_soak_checks_and_tasks():
         "transitions_out": True, "samples_out": False, "warm_up_samples": True, "trainer_received": True,
         "no_duplicates": False, "no_dead_letters": True, "rate_kept": False, "memory_flat_worker0": True}
     assert c["samples_out"]["detail"] == "9 of 10"
+
+
+def test_prefix_tree_tokens_share_within_an_attempt_only():
+    from bench.prefix_merge_recorded import common_prefix, tree_tokens
+
+    def call(rollout, index, prompt, completion):
+        return {"transition": {"rollout_id": rollout, "attempt_id": "a0", "call_index": index,
+                               "prompt_token_ids": prompt, "completion_token_ids": completion}}
+
+    samples = [call("r1", 1, [1, 2, 3, 4, 9], [5, 6]),  # extends call 0: 3 new tokens
+               call("r1", 0, [1, 2, 3], [4]),  # 4 tokens
+               call("r1", 2, [1, 2, 7], [8]),  # another role: shares [1, 2] only -> 2 new
+               call("r2", 0, [1, 2, 3], [4])]  # another attempt shares nothing -> 4
+    assert common_prefix([1, 2, 3], [1, 2, 7, 8]) == 2
+    assert tree_tokens(samples) == 4 + 3 + 2 + 4
