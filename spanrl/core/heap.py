@@ -9,7 +9,6 @@ update; bench/soak.py fits its trend).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 MIB = 1024 * 1024
 
@@ -22,11 +21,8 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def _libc():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # this process's own symbols, the C library's among them
         libc.mallinfo2.restype = _Mallinfo2
         return libc
     except (OSError, AttributeError):  # not glibc, or glibc < 2.33
