@@ -219,6 +219,19 @@ class SpanrlSustained(SpanrlSide):
                 pass
         return total
 
+    def changelog_writes(self) -> dict[str, int]:
+        """The workers' table writes and the changelog records they became (``/spanrl/held/``'s
+        ``changelog_writes``, summed; empty from a worker without them)."""
+        total: dict[str, int] = {}
+        for port in self.web_ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spanrl/held/", timeout=5) as r:
+                    for k, v in json.loads(r.read()).get("changelog_writes", {}).items():
+                        total[k] = total.get(k, 0) + v
+            except OSError:
+                pass
+        return total
+
     async def consume(self, stop_evt: asyncio.Event) -> None:
         def on_batch(now, msgs):
             for m in msgs:  # key = task_id = rollout id in this bench
@@ -311,7 +324,7 @@ class SpanrlSustained(SpanrlSide):
                 await self._send_batch(producer, exps[j], warm[j::self.n_bridges], 0)
             await self.wait_for(warm, 180)
             lagger = asyncio.create_task(self.poll_lag(stop_evt, a.sample_s, lag_series))
-            dead0 = self.dead_letters()
+            dead0, writes0 = self.dead_letters(), self.changelog_writes()
             rids = [f"s{self.id}-{i}" for i in range(n)]
             batches = [rids[b:b + a.batch_rollouts] for b in range(0, n, a.batch_rollouts)]
             in_series: list[tuple[float, int]] = []
@@ -386,6 +399,9 @@ class SpanrlSustained(SpanrlSide):
                 "processes": sampler.summary(t0, t_done, spans),
                 "dead_letters": {k: v - dead0.get(k, 0) for k, v in self.dead_letters().items()
                                  if v != dead0.get(k, 0)},
+                # table writes and changelog records per rollout of the timed part (faust_patches patch 5)
+                "changelog_per_rollout": {k: round((v - writes0.get(k, 0)) / n, 2)
+                                          for k, v in self.changelog_writes().items()},
                 "series": {"t0": t0, "spans_in": [(round(t - t0, 3), v) for t, v in in_series],
                            "transitions_out": [(round(t - t0, 3), v) for t, v in outs],
                            "lag": [(round(t - t0, 2), d) for t, d in lag_series]},

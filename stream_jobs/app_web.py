@@ -12,6 +12,7 @@ from spanrl.stream_jobs import assembly
 from spanrl.stream_jobs.agent_assemble import Assembler
 from spanrl.stream_jobs.agent_group import Grouper
 from spanrl.stream_jobs.app_context import AppContext, WorkerCounters
+from spanrl.stream_jobs.faust_patches import changelog_writes
 
 
 def counters_json(m: WorkerCounters, calls_held: int, transitions_held: int) -> dict:
@@ -119,11 +120,14 @@ class WebViews:
         waiting for them, the tick index (live keys, finished keys due), calls' token data.
         ``?rollout=<id>``: that rollout's state and where the worker has it (chaos forensics:
         an attempt that never left)."""
-        t = self.ctx.tables
+        t, writes = self.ctx.tables, changelog_writes(self.ctx.app)
         out: dict[str, Any] = {"partitions": partitions_held(self.assembler),
                                "tables": tables_held({"rollouts": t.rollouts, "groups": t.groups,
                                                       "traces": t.traces, "orphans": t.orphans}),
                                "tasks_finished": self.grouper.finished.total(),
+                               # table writes since start, and the changelog records they became
+                               # (one per changed key per transaction: faust_patches patch 5)
+                               "changelog_writes": {"noted": writes.noted, "sent": writes.sent},
                                "retain_max": self.ctx.cfg.retain_max}
         rid = request.query.get("rollout")
         if rid:

@@ -7,7 +7,8 @@ faust-streaming tracker's known issues it relates to are cited; where none says 
 exactly, the report below is the one to file). Unit tests, each failing without its patch
 (checked by disabling each in turn): tests/unit/test_faust_patches.py (send: the source
 partition's transaction; commit: the queued changelog writes go first; recovery highwaters;
-resume; the commit between events; the version refused with what to do, at make_app),
+resume; the commit between events; one changelog record per changed key per commit, and
+at a revocation; the version refused with what to do, at make_app),
 tests/unit/test_faust_buffer_drain.py
 (the drain, and the write the background sender holds); end to end: test_stream_app /
 test_chaos (worker SIGKILL: 0 lost, 0 duplicated).
@@ -69,6 +70,19 @@ test_chaos (worker SIGKILL: 0 lost, 0 duplicated).
    of the group with advantages computed over members whose samples never came). Expected:
    the commit runs between events (as Kafka Streams commits between records on its stream
    thread): an event's table writes and its sends are in one transaction."
+
+5. :class:`ChangelogWrites` (``Table.on_key_set`` / ``on_key_del`` note the key; the commit
+   of patch 1 and the revocation write each noted key once, with its value then): one
+   changelog record per changed key per transaction, not one per write.
+
+   Upstream report: "exactly_once: every Table write is its own changelog record. A state
+   updated by ten events between two commits is serialised and produced ten times, though
+   only the last value is read back on recovery and the ten commit (or abort) together.
+   Kafka Streams forwards one record per key per commit from its record cache
+   (``statestore.cache.max.bytes``); with a transaction per commit nothing else can be
+   observed. Expected (exactly_once only): a write marks the key; the commit sends the
+   key's value as it is then (a tombstone if it was deleted) before committing the offsets,
+   and a revocation does the same before the revoked transactions stop."
 """
 from __future__ import annotations
 
@@ -111,6 +125,7 @@ def install() -> None:
     _install_source_partition_transactions()
     _install_recovery_highwaters()
     _install_resume_keeps_live_queues()
+    _install_coalesced_changelog_writes()
 
 
 def _install_source_partition_transactions() -> None:
@@ -173,6 +188,7 @@ def _install_source_partition_transactions() -> None:
 
     async def commit(self, offsets, start_new_transaction: bool = True):
         async with event_barrier(self.app).committing():  # patch 4: between events, never inside one
+            changelog_writes(self.app).flush()  # patch 5: each key changed since the last commit, once
             await drain_producer_buffer(self.app.producer.buffer)
             await self.producer.flush()
             return await original_commit(self, offsets, start_new_transaction=start_new_transaction)
@@ -266,13 +282,18 @@ class EventBarrier:
                 self._open.set()
 
 
+def _of_app(app, attr: str, make):
+    """The object the patches keep on ``app`` under ``attr``, made by ``make()`` on first use."""
+    obj = getattr(app, attr, None)
+    if obj is None:
+        obj = make()
+        setattr(app, attr, obj)
+    return obj
+
+
 def event_barrier(app) -> EventBarrier:
     """The app's :class:`EventBarrier` (made on first use)."""
-    barrier = getattr(app, "_spanrl_event_barrier", None)
-    if barrier is None:
-        barrier = EventBarrier()
-        app._spanrl_event_barrier = barrier
-    return barrier
+    return _of_app(app, "_spanrl_event_barrier", EventBarrier)
 
 
 def handling(app) -> contextlib.AbstractAsyncContextManager:
@@ -321,3 +342,86 @@ def _install_resume_keeps_live_queues() -> None:
     resume._spanrl_patched = True
     FlowControlEvent.resume = resume
 
+
+
+_DELETED = object()
+
+
+class ChangelogWrites:
+    """Patch 5: the table keys written since the last commit, per table, with the changelog
+    partition of each (the source partition of the event that wrote it). :meth:`flush`
+    queues one changelog record per key - its value now, or a tombstone - in Faust's
+    ProducerBuffer, which the commit then drains into the open transactions (patch 1). Only
+    with ``processing_guarantee="exactly_once"``: elsewhere nothing would flush it, and
+    writes go out one by one as upstream."""
+
+    def __init__(self) -> None:
+        self.keys: dict[object, dict[object, int]] = {}  # table -> key -> changelog partition
+        self.noted = 0  # writes (sets and deletes) noted since start
+        self.sent = 0  # changelog records sent for them
+
+    def note(self, table, key, partition: int) -> None:
+        """A write of ``key`` in ``table`` (partition: where its changelog record goes)."""
+        self.keys.setdefault(table, {})[key] = partition
+        self.noted += 1
+
+    def flush(self) -> int:
+        """Queue each noted key's changelog record (its table's value now, or a tombstone
+        when the key is gone); returns how many. Synchronous: nothing can write between."""
+        keys, self.keys = self.keys, {}
+        n = 0
+        for table, written in keys.items():
+            data = table.data
+            for key, partition in written.items():
+                value = data[key] if key in data else _DELETED
+                if value is _DELETED:
+                    table.send_changelog(partition, key, None, value_serializer="raw")
+                else:
+                    table.send_changelog(partition, key, value)
+                n += 1
+        self.sent += n
+        return n
+
+
+def changelog_writes(app) -> ChangelogWrites:
+    """The app's :class:`ChangelogWrites` (made on first use)."""
+    return _of_app(app, "_spanrl_changelog_writes", ChangelogWrites)
+
+
+def _install_coalesced_changelog_writes() -> None:
+    """Patch 5 (module doc): in exactly-once mode a table write notes its key for the next
+    commit instead of queueing a changelog record; a revocation flushes the noted keys into
+    the transactions before they stop, as upstream's writes would have been."""
+    from faust.tables.table import Table
+    from faust.transport.consumer import TransactionManager
+
+    if getattr(Table.on_key_set, "_spanrl_patched", False):
+        return
+    original_set, original_del = Table.on_key_set, Table.on_key_del
+    original_revoked = TransactionManager.on_partitions_revoked
+
+    def on_key_set(self, key, value) -> None:
+        partition = self.partition_for_key(key) if self.app.in_transaction else None
+        if partition is None:  # not exactly-once, or the producer's partitioner decides
+            return original_set(self, key, value)
+        changelog_writes(self.app).note(self, key, partition)
+        self._maybe_set_key_ttl(key, partition)
+        self._sensor_on_set(self, key, value)
+
+    def on_key_del(self, key) -> None:
+        partition = self.partition_for_key(key) if self.app.in_transaction else None
+        if partition is None:
+            return original_del(self, key)
+        changelog_writes(self.app).note(self, key, partition)
+        self._maybe_del_key_ttl(key, partition)
+        self._sensor_on_del(self, key)
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        changelog_writes(self.app).flush()
+        await drain_producer_buffer(self.app.producer.buffer)
+        return await original_revoked(self, revoked)
+
+    for f in (on_key_set, on_key_del, on_partitions_revoked):
+        f._spanrl_patched = True
+    Table.on_key_set, Table.on_key_del = on_key_set, on_key_del
+    TransactionManager.on_partitions_revoked = on_partitions_revoked

@@ -13,14 +13,20 @@ def test_installed_faust_is_a_verified_version():
     assert faust_patches.check_version() in faust_patches.VERIFIED_VERSIONS
 
 
+def _patched_internals() -> tuple:
+    from faust.tables.table import Table
+
+    return (TransactionManager.send, TransactionManager.commit, ProducerBuffer._send_pending,
+            AIOKafkaConsumerThread._highwaters, FlowControlEvent.resume, Table.on_key_set, Table.on_key_del,
+            TransactionManager.on_partitions_revoked)
+
+
 def test_install_patches_each_internal_once():
     faust_patches.install()
-    patched = (TransactionManager.send, TransactionManager.commit, ProducerBuffer._send_pending,
-               AIOKafkaConsumerThread._highwaters, FlowControlEvent.resume)
+    patched = _patched_internals()
     assert all(getattr(f, "_spanrl_patched", False) for f in patched)
     faust_patches.install()  # idempotent: the same functions, not wrappers of wrappers
-    assert (TransactionManager.send, TransactionManager.commit, ProducerBuffer._send_pending,
-            AIOKafkaConsumerThread._highwaters, FlowControlEvent.resume) == patched
+    assert _patched_internals() == patched
 
 
 def test_resume_of_a_flowing_queue_keeps_its_records():
@@ -232,3 +238,105 @@ def test_the_worker_refuses_an_unverified_faust_at_start_up(monkeypatch):
     with pytest.raises(RuntimeError, match=r"^faust-streaming 0\.16\.0 is installed"):
         make_app(StreamConfig(app_id="unit-unverified"))
     assert built == []
+
+
+class _Table:
+    """A Faust Table as patch 5 uses it: writes go through ``Table.on_key_set`` /
+    ``on_key_del`` before the store changes (as mode's ManagedUserDict does); the changelog
+    partition is the current event's (3 here); each changelog record sent is logged."""
+
+    def __init__(self, app, log):
+        self.app, self.log, self.data = app, log, {}
+
+    def __setitem__(self, key, value):
+        from faust.tables.table import Table
+        Table.on_key_set(self, key, value)
+        self.data[key] = value
+
+    def __delitem__(self, key):
+        from faust.tables.table import Table
+        Table.on_key_del(self, key)
+        del self.data[key]
+
+    def partition_for_key(self, key):
+        return 3
+
+    def send_changelog(self, partition, key, value, key_serializer=None, value_serializer=None):
+        self.log.append(("changelog", partition, key, dict(value) if value is not None else None))
+        return SimpleNamespace(message=SimpleNamespace(partition=partition))
+
+    def _maybe_set_key_ttl(self, key, partition):
+        pass
+
+    _maybe_del_key_ttl = _maybe_set_key_ttl
+
+    def _sensor_on_set(self, table, key, value):
+        pass
+
+    def _sensor_on_del(self, table, key):
+        pass
+
+
+def _writes_between_two_commits(in_transaction: bool):
+    faust_patches.install()
+    log: list = []
+    tm = _manager(_Recorder(log), log)
+    tm.app.in_transaction = in_transaction
+
+    async def main():
+        buf = ProducerBuffer()
+        buf.app = SimpleNamespace(conf=SimpleNamespace(producer_threaded=False))
+        tm.app.producer.buffer = buf
+        rollouts = _Table(tm.app, log)
+        state = {"calls": 0}
+        for _ in range(3):  # the same rollout state updated by three spans
+            state["calls"] += 1
+            rollouts["rollout-a"] = state
+        rollouts["rollout-b"] = {"calls": 1}
+        del rollouts["rollout-b"]  # evicted in the same transaction
+        await TransactionManager.commit(tm, {TP("spans", 3): 12})
+
+    asyncio.run(main())
+    return log, faust_patches.changelog_writes(tm.app)
+
+
+def test_a_commit_writes_each_changed_table_key_once_with_its_last_value():
+    """Patch 5: upstream queues a changelog record on every table write (here 5 records for 2
+    keys, the first two of rollout-a already stale when they are sent). Patched: one record
+    per key, its value at the commit (or a tombstone), before the offsets' commit."""
+    log, writes = _writes_between_two_commits(in_transaction=True)
+    assert log == [("changelog", 3, "rollout-a", {"calls": 3}), ("changelog", 3, "rollout-b", None),
+                   "flush", ("commit", {"app-0-3": {TP("spans", 3): 12}})]
+    assert (writes.noted, writes.sent, writes.keys) == (5, 2, {})
+
+
+def test_without_transactions_every_table_write_is_sent_as_upstream():
+    """Nothing but the transactional commit flushes the noted keys, so without exactly-once
+    the writes go out one by one (no key may wait for a flush that never comes)."""
+    log, writes = _writes_between_two_commits(in_transaction=False)
+    assert [entry[2] for entry in log if entry[0] == "changelog"] == \
+        ["rollout-a", "rollout-a", "rollout-a", "rollout-b", "rollout-b"]
+    assert (writes.noted, writes.sent) == (0, 0)
+
+
+def test_a_revocation_sends_the_noted_writes_before_its_transactions_stop():
+    """Patch 5 at a rebalance: Faust flushes the producer (``TransactionManager.on_partitions_revoked``)
+    before it stops the revoked partitions' transactions; the noted keys go into them first,
+    where upstream's queued writes would have been (fails with the key noting but without
+    the revocation's flush: the write would wait for a commit of a transaction that stops)."""
+    faust_patches.install()
+    log: list = []
+    tm = _manager(_Recorder(log), log)
+    tm.app.in_transaction = True
+    tm.flush = tm.producer.flush
+
+    async def main():
+        buf = ProducerBuffer()
+        buf.app = SimpleNamespace(conf=SimpleNamespace(producer_threaded=False))
+        tm.app.producer.buffer = buf
+        groups = _Table(tm.app, log)
+        groups["task-7"] = {"open": 1}
+        await TransactionManager.on_partitions_revoked(tm, {TP("transitions", 3)})
+
+    asyncio.run(main())
+    assert log == [("changelog", 3, "task-7", {"open": 1}), "flush"]
