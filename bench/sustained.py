@@ -208,29 +208,27 @@ class SpanrlSustained(SpanrlSide):
         return {**{f"bridge{i}": p.pid for i, p in enumerate(self.bridges)},
                 **{f"worker{i}": p.pid for i, p in enumerate(self.workers)}}
 
-    def dead_letters(self) -> dict[str, int]:
+    def summed(self, page: str, field: str) -> dict[str, int]:
+        """``field`` (a dict of counts) of every worker's web ``page``, summed per key; a worker
+        that does not answer, or has no such field, adds nothing."""
         total: dict[str, int] = {}
         for port in self.web_ports:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spanrl/counters/", timeout=5) as r:
-                    for k, v in json.loads(r.read())["dead_letters_out"].items():
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{page}", timeout=5) as r:
+                    for k, v in json.loads(r.read()).get(field, {}).items():
                         total[k] = total.get(k, 0) + v
             except OSError:
                 pass
         return total
 
+    def dead_letters(self) -> dict[str, int]:
+        """Dead letters by reason, all workers (``/spanrl/counters/``)."""
+        return self.summed("/spanrl/counters/", "dead_letters_out")
+
     def changelog_writes(self) -> dict[str, int]:
         """The workers' table writes and the changelog records they became (``/spanrl/held/``'s
         ``changelog_writes``, summed; empty from a worker without them)."""
-        total: dict[str, int] = {}
-        for port in self.web_ports:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spanrl/held/", timeout=5) as r:
-                    for k, v in json.loads(r.read()).get("changelog_writes", {}).items():
-                        total[k] = total.get(k, 0) + v
-            except OSError:
-                pass
-        return total
+        return self.summed("/spanrl/held/", "changelog_writes")
 
     async def consume(self, stop_evt: asyncio.Event) -> None:
         def on_batch(now, msgs):

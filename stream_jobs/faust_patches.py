@@ -344,9 +344,6 @@ def _install_resume_keeps_live_queues() -> None:
 
 
 
-_DELETED = object()
-
-
 class ChangelogWrites:
     """Patch 5: the table keys written since the last commit, per table, with the changelog
     partition of each (the source partition of the event that wrote it). :meth:`flush`
@@ -373,11 +370,10 @@ class ChangelogWrites:
         for table, written in keys.items():
             data = table.data
             for key, partition in written.items():
-                value = data[key] if key in data else _DELETED
-                if value is _DELETED:
+                if key in data:
+                    table.send_changelog(partition, key, data[key])
+                else:  # deleted since: a tombstone
                     table.send_changelog(partition, key, None, value_serializer="raw")
-                else:
-                    table.send_changelog(partition, key, value)
                 n += 1
         self.sent += n
         return n
