@@ -365,7 +365,7 @@ def study(
     from pathlib import Path
 
     from examples.agents import agent_spec
-    from spanrl.infra.study import run_study
+    from spanrl.infra.study import pooled_text, run_study
 
     if seeds < 1:
         raise typer.BadParameter("--seeds must be >= 1")
@@ -384,7 +384,7 @@ def study(
         p = blk["pooled_across_seeds"]
         console.print(f"held-out {mode}: per seed " + ", ".join(
             f"{x['difference']['estimate']:+.3f} [{x['difference']['low']:+.3f}, {x['difference']['high']:+.3f}]"
-            for x in blk["per_seed"]) + f"; pooled {p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]")
+            for x in blk["per_seed"]) + f"; pooled {pooled_text(p)}")
     fmt = lambda d: " / ".join(f"{d[k]:+.3f}" if k in d else "n/a" for k in ("positive", "negative"))  # noqa: E731
     for p in report["per_seed"]:
         console.print(f"seed {p['seed']}: log-prob shift +/- under the final policy, iteration 0's completions "

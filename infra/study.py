@@ -69,6 +69,16 @@ def paired_block(reports: list[dict]) -> dict:
             "no_seed_below_base": all(p["difference"]["estimate"] >= 0 for p in per_seed)}
 
 
+def pooled_text(pooled: dict) -> str:
+    """The pooled-across-seeds figure as the study prints it: ``"+0.183 [+0.164, +0.202]"``
+    (Student-t across seeds, :func:`spanrl.core.intervals.t_interval`), or ``"one seed: no
+    spread across seeds"`` when only one seed ran (``method == "single-value"``: its
+    zero-width interval is not an interval)."""
+    if pooled.get("method") == "single-value":
+        return "one seed: no spread across seeds"
+    return f"{pooled['estimate']:+.3f} [{pooled['low']:+.3f}, {pooled['high']:+.3f}]"
+
+
 def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str, dict]],
                  ood: list[dict[str, dict]]) -> dict:
     """The study's report from each seed's main-job ``summary.json`` (``summaries[s]``), its
@@ -169,6 +179,9 @@ def plot_study(report: dict, path: Path) -> None:
                         fmt="o", color=f"C{j}", capsize=3, label=f"seed {report['seeds'][j]}" if i == 0 else None)
         pooled = blk["pooled_across_seeds"]
         x = i + (n / 2) * 0.15
+        if pooled.get("method") == "single-value":  # one seed: no interval across seeds to draw
+            labels.append(name)
+            continue
         bx.errorbar(x, pooled["estimate"], yerr=[[pooled["estimate"] - pooled["low"]],
                                                  [pooled["high"] - pooled["estimate"]]],
                     fmt="s", color="k", capsize=4, label="pooled (t across seeds)" if i == 0 else None)

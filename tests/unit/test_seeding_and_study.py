@@ -73,6 +73,8 @@ def test_t_interval_and_pooled_difference_hand_computed():
     assert t_interval([0.5]).low == 0.5 and t_interval([0.5]).method == "single-value"
     with pytest.raises(ValueError):
         t_interval([])
+    assert study.pooled_text(t_interval([0.19]).as_dict()) == "one seed: no spread across seeds"
+    assert study.pooled_text(t_interval([0.1, 0.2, 0.3]).as_dict()) == "+0.200 [-0.048, +0.448]"
     p = pooled_paired_difference([[0, 0], [0, 1]], [[1, 0], [1, 1]])
     assert p.estimate == 0.5 and p.n == 2
     with pytest.raises(ValueError):
