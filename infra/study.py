@@ -69,12 +69,17 @@ def paired_block(reports: list[dict]) -> dict:
             "no_seed_below_base": all(p["difference"]["estimate"] >= 0 for p in per_seed)}
 
 
+def _one_seed(pooled: dict) -> bool:
+    """True when ``pooled`` is :func:`t_interval` of one value: a zero-width figure, no interval."""
+    return pooled.get("method") == "single-value"
+
+
 def pooled_text(pooled: dict) -> str:
     """The pooled-across-seeds figure as the study prints it: ``"+0.183 [+0.164, +0.202]"``
     (Student-t across seeds, :func:`spanrl.core.intervals.t_interval`), or ``"one seed: no
     spread across seeds"`` when only one seed ran (``method == "single-value"``: its
     zero-width interval is not an interval)."""
-    if pooled.get("method") == "single-value":
+    if _one_seed(pooled):
         return "one seed: no spread across seeds"
     return f"{pooled['estimate']:+.3f} [{pooled['low']:+.3f}, {pooled['high']:+.3f}]"
 
@@ -179,12 +184,10 @@ def plot_study(report: dict, path: Path) -> None:
                         fmt="o", color=f"C{j}", capsize=3, label=f"seed {report['seeds'][j]}" if i == 0 else None)
         pooled = blk["pooled_across_seeds"]
         x = i + (n / 2) * 0.15
-        if pooled.get("method") == "single-value":  # one seed: no interval across seeds to draw
-            labels.append(name)
-            continue
-        bx.errorbar(x, pooled["estimate"], yerr=[[pooled["estimate"] - pooled["low"]],
-                                                 [pooled["high"] - pooled["estimate"]]],
-                    fmt="s", color="k", capsize=4, label="pooled (t across seeds)" if i == 0 else None)
+        if not _one_seed(pooled):  # one seed: no interval across seeds to draw
+            bx.errorbar(x, pooled["estimate"], yerr=[[pooled["estimate"] - pooled["low"]],
+                                                     [pooled["high"] - pooled["estimate"]]],
+                        fmt="s", color="k", capsize=4, label="pooled (t across seeds)" if i == 0 else None)
         labels.append(name)
     bx.axhline(0, color="grey", linewidth=1)
     bx.set_xticks(range(len(labels)), labels, fontsize=8)
