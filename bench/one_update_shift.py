@@ -7,8 +7,9 @@ once per setting, and the log-prob shift of those samples' completions under the
     python -m bench.one_update_shift run OUT.json --chain --setting lr=1e-5,mini_batches=8,kl_coef=0.1
 
 Each ``--setting`` (``key=value`` pairs of ``train_update``'s options, plus ``lr``) starts from
-the base weights (SPANRL_MODEL), trains one update of the demo's options (token mean, Dr. GRPO,
-zero-variance groups dropped, 2 mini-batches unless set) on the samples of behaviour version
+the base weights (SPANRL_MODEL), trains one update of the demo's PPO options (token mean, Dr. GRPO,
+zero-variance groups dropped, its lr and mini-batches unless set; the demo's replay of earlier
+updates and its reference KL only when set, e.g. ``kl_coef=0.2``) on the samples of behaviour version
 ``--version`` (iteration 0's: sampled from the base policy), and scores every completion with a
 non-zero advantage under the updated weights in the trainer's own forward (no vLLM needed):
 ``examples.math_agent.main_job.logprob_shift``, the main job's figure for its first iteration,

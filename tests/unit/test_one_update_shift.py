@@ -62,5 +62,5 @@ def test_scorer_equals_the_trainer_log_probs_and_the_base_line_is_zero(tmp_path)
 
 def test_demo_update_options_follow_the_demo_trainer_env():
     opts = ous.demo_update_options()
-    assert (opts["lr"], opts["mini_batches"], opts["loss_agg"]) == (5e-5, 2, "token_mean")
+    assert (opts["lr"], opts["mini_batches"], opts["loss_agg"]) == (1e-5, 8, "token_mean")
     assert opts["advantage_std_scale"] is False and opts["drop_zero_variance"] is True

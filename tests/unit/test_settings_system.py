@@ -78,9 +78,10 @@ def test_overrides_are_built_from_field_names_and_checked():
         TrainerConfig.env(max_updates=None)
     # today's values, as the dicts were written by hand before
     assert DEMO_TRAINER_ENV == {
-        "SPANRL_TRAINER_LR": "5e-5", "SPANRL_TRAINER_LOSS_AGG": "token_mean", "SPANRL_TRAINER_BATCHING": "barrier",
-        "SPANRL_TRAINER_MINI_BATCHES": "2", "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false",
-        "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true"}
+        "SPANRL_TRAINER_LR": "1e-5", "SPANRL_TRAINER_LOSS_AGG": "token_mean", "SPANRL_TRAINER_BATCHING": "barrier",
+        "SPANRL_TRAINER_MINI_BATCHES": "8", "SPANRL_TRAINER_SELF_IMITATION_UPDATES": "3",
+        "SPANRL_TRAINER_SELF_IMITATION_WEIGHT": "4", "SPANRL_TRAINER_KL_COEF": "0.2",
+        "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false", "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true"}
     assert CHAOS_ENV == {
         "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
         "SPANRL_REWARD_WINDOW_S": "25", "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12",
