@@ -153,3 +153,16 @@ def test_compare_repeat():
     assert not diff["weights_identical"]
     bits = study.compare_repeat(summ, summ, a, a, {1: "x"}, {1: "z"})  # same results, other bytes
     assert bits["repeatable"] and not bits["weights_identical"]
+
+
+def test_demo_heldout_modes_option():
+    import typer
+
+    from spanrl.infra.cli import _heldout_modes
+
+    assert _heldout_modes(None) is None
+    assert _heldout_modes("greedy") == ("greedy",)
+    assert _heldout_modes(" greedy , sampled,greedy") == ("greedy", "sampled")
+    for bad in ("", ",", "greedy,beam"):
+        with pytest.raises(typer.BadParameter, match="known modes are sampled, greedy"):
+            _heldout_modes(bad)
