@@ -318,8 +318,9 @@ def demo(
                                   "(math agent; default: none)"),
     heldout_modes: str = typer.Option(None, help="held-out evaluation modes, comma-separated: sampled (the agent's "
                                       "own sampling), greedy (temperature 0); default: both"),
-    logprob_shift: bool = typer.Option(True, help="score trained completions under each new policy (~6 s per "
-                                       "completion for the 0.5B model's SQL calls on 2 cores; off: not scored)"),
+    logprob_shift: bool = typer.Option(None, "--logprob-shift/--no-logprob-shift",
+                                       help="score trained completions under each new policy (default: on; "
+                                       "one vLLM prefill per completion)"),
     train_task_set: str = typer.Option(None, help="the math agent's training tasks: arith_word_mul_add_sub "
                                        "(default: mul, add, sub in turn) | arith_word (random kinds) | "
                                        "arith_word_balanced (one of each kind per 6 tasks)"),
@@ -357,7 +358,7 @@ def demo(
                                              **({"ood_tasks": ood_tasks} if ood_tasks is not None else {}),
                                              **({"train_task_set": train_task_set} if train_task_set else {}),
                                              **({"heldout_modes": modes} if modes else {}),
-                                             logprob_shift=logprob_shift,
+                                             **({"logprob_shift": logprob_shift} if logprob_shift is not None else {}),
                                              out_dir=Path(out)), console=console)
     finally:
         if not keep_up:
