@@ -4,7 +4,8 @@ Each is a module ``examples/<agent>/spec.py`` with: ``NAME``, ``RUNNER`` (the ru
 callable, ``module:attribute``), ``TRAIN_AGENTS`` (``SPANRL_TRAIN_AGENTS`` of its demo: the
 agents whose calls train; empty: all), ``AGENT_NAMES``, ``load_tasks(split, seed, size)``
 (split ``train`` | ``heldout``), ``TRAIN_SEED``, ``HELDOUT_SEED``, ``SUCCESS_COMPONENT``,
-``FORMAT_COMPONENT`` and ``DEMO`` (iterations, tasks, group_size, heldout_tasks).
+``FORMAT_COMPONENT`` and ``DEMO`` (iterations, tasks, group_size, heldout_tasks); optionally
+``DEMO_BY_MODEL`` (the demo with another base policy: :func:`demo_plan`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ def agent_spec(name: str) -> ModuleType:
     if name not in AGENTS:
         raise ValueError(f"unknown agent {name!r}; known: {', '.join(AGENTS)}")
     return importlib.import_module(AGENTS[name])
+
+
+def demo_plan(spec: ModuleType, model: str) -> dict[str, dict[str, Any]]:
+    """What ``make demo AGENT=<spec.NAME> MODEL=<model>`` runs, before the command line's options.
+
+    Returns ``{"size": {iterations, tasks, group_size, heldout_tasks}, "options": {MainJobConfig
+    field: value}, "trainer_env": {SPANRL_TRAINER_*: str}}``: the spec's ``DEMO`` with
+    ``DEMO_BY_MODEL[model]``'s entries over it, when the spec has one for ``model``; otherwise
+    ``DEMO`` and nothing else. Options it does not name stay the main job's defaults, trainer
+    settings the demo's (``DEMO_TRAINER_ENV``); the environment and the command line win over both.
+    """
+    over = getattr(spec, "DEMO_BY_MODEL", {}).get(model, {})
+    return {"size": {**spec.DEMO, **over.get("size", {})}, "options": dict(over.get("options", {})),
+            "trainer_env": dict(over.get("trainer_env", {}))}
 
 
 def load_split(task_set: str, seed: int, size: int) -> list[dict[str, Any]]:

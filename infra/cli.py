@@ -331,18 +331,23 @@ def demo(
     the base and the final policy are evaluated on held-out tasks."""
     from pathlib import Path
 
-    from examples.agents import agent_spec
+    from examples.agents import agent_spec, demo_plan
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
+    from spanrl.core.settings import get_settings
 
     try:
         spec = agent_spec(agent)
     except ValueError as exc:
         raise typer.BadParameter(str(exc))
     modes = _heldout_modes(heldout_modes)
-    size = {**spec.DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks, "group_size": group_size,
-                                               "heldout_tasks": heldout_tasks}.items() if v is not None}}
+    plan = demo_plan(spec, get_settings().model)  # the agent's demo with this base policy
+    size = {**plan["size"], **{k: v for k, v in {"iterations": iterations, "tasks": tasks, "group_size": group_size,
+                                                  "heldout_tasks": heldout_tasks}.items() if v is not None}}
+    options = {**plan["options"], **{k: v for k, v in {"ood_tasks": ood_tasks, "train_task_set": train_task_set or None,
+                                                        "heldout_modes": modes, "logprob_shift": logprob_shift}.items()
+                                     if v is not None}}
     if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
-        for k, v in DEMO_TRAINER_ENV.items():
+        for k, v in {**DEMO_TRAINER_ENV, **plan["trainer_env"]}.items():
             setdefault_env(k, v)
         setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)  # read by the stream job at start
     elif StreamSettings().train_agents != spec.TRAIN_AGENTS:
@@ -354,11 +359,7 @@ def demo(
     try:
         summary = run_main_job(MainJobConfig(agent=agent, iterations=size["iterations"],
                                              tasks_per_iteration=size["tasks"], group_size=size["group_size"],
-                                             heldout_tasks=size["heldout_tasks"],
-                                             **({"ood_tasks": ood_tasks} if ood_tasks is not None else {}),
-                                             **({"train_task_set": train_task_set} if train_task_set else {}),
-                                             **({"heldout_modes": modes} if modes else {}),
-                                             **({"logprob_shift": logprob_shift} if logprob_shift is not None else {}),
+                                             heldout_tasks=size["heldout_tasks"], **options,
                                              out_dir=Path(out)), console=console)
     finally:
         if not keep_up:

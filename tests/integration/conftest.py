@@ -18,6 +18,21 @@ def tokenizer(settings):
     return AutoTokenizer.from_pretrained(settings.model_dir)
 
 
+@pytest.fixture(scope="module")
+def base_policy(stack, settings):
+    """vLLM serves the base weights during the module's tests (an evaluation pin of version 0,
+    ``trainer/reloader.py``), and the run's newest checkpoint again afterwards. Earlier tests of
+    the session (test_main_job, and every rewarded rollout while the trainer streams) train the
+    stack's run and the reloader serves each version they publish, so which policy answers a
+    later test depends on timing; a test that relies on the base model's greedy answer (one
+    that stops within ``max_tokens``) asks for it."""
+    from spanrl.infra import evaluation
+
+    evaluation.pin(settings, None, 0)
+    yield
+    evaluation.unpin(settings)
+
+
 @pytest.fixture
 def spans_of(stack, settings):
     """``spans_of(rollout_id)``: the proxy's spans of a rollout produced since the test began

@@ -166,3 +166,87 @@ def test_demo_heldout_modes_option():
     for bad in ("", ",", "greedy,beam"):
         with pytest.raises(typer.BadParameter, match="known modes are sampled, greedy"):
             _heldout_modes(bad)
+
+
+def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
+    from examples.agents import agent_spec, demo_plan
+
+    sql = agent_spec("sql")
+    assert demo_plan(sql, "smollm2-135m") == {
+        "size": {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}, "options": {}, "trainer_env": {}}
+    assert demo_plan(sql, "qwen2.5-coder-0.5b") == {
+        "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
+        "options": {"heldout_modes": ("greedy",), "logprob_shift": False},
+        "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
+    assert demo_plan(agent_spec("math"), "qwen2.5-coder-0.5b") == {
+        "size": {"iterations": 4, "tasks": 6, "group_size": 6, "heldout_tasks": 200}, "options": {}, "trainer_env": {}}
+
+
+def test_every_demo_by_model_entry_names_known_models_options_and_settings():
+    from dataclasses import fields
+
+    from examples.agents import AGENTS, agent_spec
+    from examples.math_agent.main_job import MainJobConfig
+    from spanrl.core.model import MODELS
+    from spanrl.core.settings import TrainerConfig
+
+    options = {f.name for f in fields(MainJobConfig)} - {"iterations", "tasks_per_iteration", "group_size",
+                                                           "heldout_tasks", "agent", "out_dir"}
+    entries = [(name, model, e) for name in AGENTS for model, e in getattr(agent_spec(name), "DEMO_BY_MODEL", {}).items()]
+    assert entries  # the SQL agent's 0.5B demo at least
+    for name, model, e in entries:
+        assert model in MODELS and set(e) <= {"size", "options", "trainer_env"}, (name, model)
+        assert set(e.get("size", {})) <= set(agent_spec(name).DEMO) and set(e.get("options", {})) <= options
+        assert set(e.get("trainer_env", {})) <= set(TrainerConfig.env_names())
+
+
+def test_demo_runs_the_plan_under_the_command_lines_options(monkeypatch):
+    """``spanrl demo --agent sql`` with SPANRL_MODEL=qwen2.5-coder-0.5b: the plan's size, options
+    and trainer settings reach the main job; the command line and the environment win."""
+    from typer.testing import CliRunner
+
+    import examples.math_agent.main_job as main_job
+    from spanrl.core.settings import get_settings
+    from spanrl.infra import cli
+
+    seen: dict = {}
+
+    class NoStack:
+        def running(self, name):
+            return False
+
+        def down(self):
+            seen["down"] = True
+
+    def fake_main_job(cfg, console=None):
+        import os
+
+        seen["cfg"], seen["env"] = cfg, {k: os.environ.get(k) for k in ("SPANRL_TRAINER_LORA_RANK",
+                                                                         "SPANRL_TRAINER_LR", "SPANRL_TRAINER_KL_COEF")}
+        return {"paths": {}}
+
+    monkeypatch.setattr(cli, "Stack", NoStack)
+    monkeypatch.setattr(cli, "_check_free_space", lambda command: None)
+    monkeypatch.setattr(cli, "_fresh_run", lambda prefix: NoStack())
+    monkeypatch.setattr(cli, "_up_or_exit", lambda stack: None)
+    monkeypatch.setattr(main_job, "run_main_job", fake_main_job)
+    for k in {*main_job.DEMO_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS"}:
+        monkeypatch.setenv(k, "")  # recorded, so that what the demo sets is undone after the test
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SPANRL_MODEL", "qwen2.5-coder-0.5b")
+    monkeypatch.setenv("SPANRL_TRAINER_LR", "2e-5")  # the environment wins over the plan
+    get_settings.cache_clear()
+    try:
+        r = CliRunner().invoke(cli.app, ["demo", "--agent", "sql", "--tasks", "3", "--no-logprob-shift"])
+        assert r.exit_code == 0, r.output
+        cfg = seen["cfg"]
+        assert (cfg.iterations, cfg.tasks_per_iteration, cfg.group_size, cfg.heldout_tasks) == (5, 3, 4, 200)
+        assert (cfg.heldout_modes, cfg.logprob_shift) == (("greedy",), False)
+        assert seen["env"] == {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "2e-5",
+                               "SPANRL_TRAINER_KL_COEF": "0.2"}
+        r = CliRunner().invoke(cli.app, ["demo", "--agent", "sql", "--heldout-modes", "sampled,greedy",
+                                         "--logprob-shift"])
+        assert r.exit_code == 0, r.output
+        assert (seen["cfg"].heldout_modes, seen["cfg"].logprob_shift) == (("sampled", "greedy"), True)
+    finally:
+        get_settings.cache_clear()
