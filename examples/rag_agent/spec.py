@@ -4,6 +4,8 @@ Both agents of the default path train; evaluation reads ``correct`` as success a
 ``format`` as the format rate (components of :func:`reward.reward`).
 """
 
+from spanrl.core.settings import TrainerConfig
+
 from .tasks import HELDOUT_SEED, TRAIN_SEED, load_tasks
 
 NAME = "rag"
@@ -14,6 +16,19 @@ SUCCESS_COMPONENT = "correct"
 FORMAT_COMPONENT = "format"
 #: the demo's size (``make demo AGENT=rag``): an episode makes 3 calls, ~10 s on 2 CPU cores
 DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
+#: the demo with another base policy (``make demo AGENT=rag MODEL=...``), over ``DEMO``, the main
+#: job's options and the demo's trainer settings (examples/agents.py ``demo_plan``).
+#: qwen2.5-coder-0.5b: the SQL agent's 0.5B setting (LoRA rank 16 at lr 5e-5, greedy held-out
+#: evaluation only, no log-prob shift, 600 s per rollout) on 8 iterations x 4 tasks x 4 rollouts
+#: (3 calls an episode, half the SQL team's) and 200 held-out questions. Base greedy reward 0.564
+#: (LEARNING.md, issue 19); the answerer leaves out ``<answer>`` on ~80 % of language questions.
+DEMO_BY_MODEL = {
+    "qwen2.5-coder-0.5b": {
+        "size": {"iterations": 8, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
+        "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0},
+        "trainer_env": TrainerConfig.env(lora_rank=16, lr="5e-5"),
+    },
+}
 
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED",
-           "SUCCESS_COMPONENT", "FORMAT_COMPONENT"]
+           "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO", "DEMO_BY_MODEL"]
