@@ -49,8 +49,15 @@ class Batch:
         return int(self.completion_mask.sum())
 
 
-def check_sample(sample: dict, max_tokens: int | None = None) -> None:
-    """Raise :class:`BadSample` when a Sample cannot be trained on."""
+def check_sample(sample: dict, max_tokens: int | None = None, vocab_size: int | None = None) -> None:
+    """Raise :class:`BadSample` when a Sample cannot be trained on.
+
+    Reasons: ``empty_completion``, ``logprob_mismatch``, ``empty_prompt``, ``oversize`` (prompt +
+    completion over ``max_tokens``), ``token_id_out_of_vocab`` (a prompt or completion token id
+    outside ``[0, vocab_size)``, the trained model's embedding rows: a sample of another model,
+    e.g. a topic replayed into a trainer of a smaller vocabulary, which the embedding would
+    otherwise fail on with an IndexError mid-update).
+    """
     t = sample["transition"]
     n = len(t["completion_token_ids"])
     if n == 0:
@@ -63,6 +70,12 @@ def check_sample(sample: dict, max_tokens: int | None = None) -> None:
     total = len(t["prompt_token_ids"]) + n
     if max_tokens is not None and total > max_tokens:
         raise BadSample("oversize", f"{total} tokens > max_tokens {max_tokens}")
+    if vocab_size is not None:
+        for part in ("prompt_token_ids", "completion_token_ids"):
+            bad = [x for x in t[part] if not 0 <= x < vocab_size]
+            if bad:
+                raise BadSample("token_id_out_of_vocab", f"{len(bad)} {part} outside [0, {vocab_size}) "
+                                f"(first {bad[0]}): a sample of another model?")
 
 
 def collate(samples: list[dict], pad_token_id: int = 0, advantages: list[float] | None = None) -> Batch:

@@ -1232,6 +1232,8 @@ class Trainer:
                        "model_dir": str(self.model_dir), "adapter": self.adapter,
                        "zero_stage": self.cfg.zero_stage, "parameters": parameter_count(self.engine.module),
                        "trainable_parameters": parameter_count(self.engine.module, trainable_only=True)})
+            # the embedding's rows: a token id at or past them (another model's sample) is skipped
+            vocab = self.engine.module.get_input_embeddings().num_embeddings
             buffer: list[tuple[int, int, dict | None]] = []  # (partition, offset, sample or None if bad)
             last_arrival = time.monotonic()
             good = 0  # decodable samples in the buffer
@@ -1243,7 +1245,7 @@ class Trainer:
                         last_arrival = time.monotonic()
                         try:
                             s = decode("sample", m.value)
-                            batching.check_sample(s, self.cfg.max_tokens)
+                            batching.check_sample(s, self.cfg.max_tokens, vocab)
                         except (SchemaError, batching.BadSample) as exc:
                             reason = getattr(exc, "reason", "schema_error")
                             self.state.skipped[reason] = self.state.skipped.get(reason, 0) + 1

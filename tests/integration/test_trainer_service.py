@@ -943,6 +943,41 @@ async def test_stale_samples_are_refused_dead_lettered_and_counted(tmp_path, lig
             shutil.rmtree(s.cache_dir / "trainer" / r, ignore_errors=True)
 
 
+async def test_a_sample_of_a_larger_vocabulary_is_skipped_and_counted(tmp_path, light_stack, scratch_run,
+                                                                     tiny_model_dir):
+    """A sample whose token ids the trained model has no embedding row for (here Qwen2.5's
+    ``<|endoftext|>``, 151643, in a trainer of SmolLM2's 49,152-token vocabulary: a topic made by
+    another model replayed into this trainer) is skipped with reason ``token_id_out_of_vocab``
+    and counted; the others are trained and the offsets move past all three. Without the check
+    the embedding raised IndexError mid-update and the trainer died."""
+    run, samples_topic, ckpt_topic = _scratch_names(scratch_run, "trvocab")
+    admin = await _topics(samples_topic, ckpt_topic)
+    try:
+        from aiokafka import AIOKafkaProducer
+
+        producer = AIOKafkaProducer(bootstrap_servers=get_settings().kafka_bootstrap, enable_idempotence=True)
+        await producer.start()
+        for i in range(3):
+            smp = _toy_sample(i)
+            if i == 1:
+                smp["transition"]["completion_token_ids"] = [151643, 2]
+            await producer.send_and_wait(samples_topic, encode("sample", smp), key=b"t")
+        await producer.stop()
+        log = tmp_path / "t.jsonl"
+        cfg = TrainerConfig(run=run, base_dir=tiny_model_dir, samples_topic=samples_topic, checkpoints_topic=ckpt_topic,
+                            min_batch=2, idle_flush_s=5.0, micro_batch=2, max_updates=1, http=False, start="earliest",
+                            log_path=log)
+        trainer = Trainer(cfg)
+        await asyncio.wait_for(trainer.serve(), timeout=300)
+        assert trainer.state.skipped == {"token_id_out_of_vocab": 1}
+        [upd] = _events(log, "update")
+        assert (upd["samples"], upd["consumed"], upd["skipped"]) == (
+            2, {f"{samples_topic}:0": [0, 3]}, {"token_id_out_of_vocab": 1})
+    finally:
+        await admin.delete_topics([samples_topic, ckpt_topic])
+        await admin.close()
+
+
 # ---- barrier batching (Kafka + MinIO, the tiny model) --------------------------------------
 
 async def test_barrier_trainer_trains_exactly_the_requested_samples(tmp_path, light_stack, scratch_run,

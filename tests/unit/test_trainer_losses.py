@@ -102,6 +102,11 @@ def test_check_sample_reasons():
         assert e.value.reason == reason
     with pytest.raises(batching.BadSample, match="oversize"):
         batching.check_sample(_sample([1, 2, 3], [4], [-0.1], 0.0), max_tokens=3)
+    batching.check_sample(_sample([0, 49151], [49151], [-0.1], 0.0), vocab_size=49152)
+    for prompt, completion in [([1, 49152], [2]), ([1], [151643]), ([-1], [2])]:
+        with pytest.raises(batching.BadSample, match="token_id_out_of_vocab") as e:
+            batching.check_sample(_sample(prompt, completion, [-0.1], 0.0), vocab_size=49152)
+        assert e.value.reason == "token_id_out_of_vocab"
 
 
 def test_micro_batches():
