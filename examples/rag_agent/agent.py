@@ -20,7 +20,9 @@ forced to call it (``ModelSettings(tool_choice="search")``, which vLLM honours w
 model through structured output: the stack runs it with ``--tool-call-parser hermes``; the
 query's ``maxLength`` keeps the forced call within ``max_tokens``; the SDK
 resets the choice after the call); a third
-search is refused; at most :data:`MAX_SEARCHES` + 2 model calls.
+search is refused; at most :data:`MAX_SEARCHES` + 2 model calls. With ``tool_choice="auto"``
+(:func:`rag_agent_tools_auto`) nothing is forced: whether the model searches at all is its own
+choice, which is what the unforced tool-call rate (issue 19) measures.
 
 Every model call goes through ``OpenAIChatCompletionsModel`` (the proxy serves Chat
 Completions, not the Responses API) with ``temperature=1.0``, ``max_tokens=64``. No
@@ -137,15 +139,16 @@ def make_model(base_url: str, api_key: str, http_client: httpx.AsyncClient | Non
     return OpenAIChatCompletionsModel(model=MODEL, openai_client=client), client
 
 
-def make_agents(model: OpenAIChatCompletionsModel) -> dict[str, Agent]:
-    """The three agents, by their stable names."""
+def make_agents(model: OpenAIChatCompletionsModel, tool_choice: str = "search") -> dict[str, Agent]:
+    """The three agents, by their stable names; ``tool_choice`` is the researcher's first turn's
+    (``"search"``: forced, ``"auto"``: the model's choice)."""
     return {
         QUERY_WRITER: Agent(name=QUERY_WRITER, instructions=QUERY_PROMPT, model=model,
                             model_settings=_settings(QUERY_WRITER)),
         ANSWERER: Agent(name=ANSWERER, instructions=ANSWER_PROMPT, model=model,
                         model_settings=_settings(ANSWERER)),
         RESEARCHER: Agent(name=RESEARCHER, instructions=RESEARCH_PROMPT, model=model, tools=[search_tool],
-                          model_settings=_settings(RESEARCHER, tool_choice="search")),
+                          model_settings=_settings(RESEARCHER, tool_choice=tool_choice)),
     }
 
 
@@ -212,16 +215,18 @@ async def _research(task: dict[str, Any], agents: dict[str, Agent], log: SearchL
 
 
 async def run_episode(task: dict[str, Any], base_url: str, api_key: str = "spanrl", *, tool_mode: bool = False,
-                      hops: int = MAX_SEARCHES, http_client: httpx.AsyncClient | None = None) -> dict[str, Any]:
+                      hops: int = MAX_SEARCHES, http_client: httpx.AsyncClient | None = None,
+                      tool_choice: str = "search") -> dict[str, Any]:
     """Run one episode of ``task`` against ``base_url`` and score its final text.
 
     Returns ``{"answer", "final_text", "queries", "tool_calls", "retrieved", "calls",
     "reward", "components", "transcript", "mode"}``; ``tool_calls`` is the number of
-    searches run, ``retrieved`` the ids of the passages found. ``http_client`` is for
+    searches run, ``retrieved`` the ids of the passages found. ``tool_choice`` is the tool
+    path's first turn's (``"search"`` forced, ``"auto"`` unforced). ``http_client`` is for
     tests (an ``httpx.MockTransport``).
     """
     model, client = make_model(base_url, api_key, http_client)
-    agents = make_agents(model)
+    agents = make_agents(model, tool_choice)
     run_config = RunConfig(workflow_name=WORKFLOW, group_id=str(task.get("task_id", "")) or None)
     log = SearchLog()
     try:
@@ -247,8 +252,9 @@ async def run_episode(task: dict[str, Any], base_url: str, api_key: str = "spanr
     }
 
 
-def _episode_sync(ctx: Any, tool_mode: bool) -> dict[str, Any]:
-    episode = run_episode(ctx.task, ctx.base_url, ctx.api_key, tool_mode=tool_mode)
+def _episode_sync(ctx: Any, tool_mode: bool, tool_choice: str | None = None) -> dict[str, Any]:
+    choice = {"tool_choice": tool_choice} if tool_choice else {}
+    episode = run_episode(ctx.task, ctx.base_url, ctx.api_key, tool_mode=tool_mode, **choice)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -272,6 +278,13 @@ def rag_agent_tools(ctx: Any) -> dict[str, Any]:
     return _episode_sync(ctx, tool_mode=True)
 
 
+def rag_agent_tools_auto(ctx: Any) -> dict[str, Any]:
+    """As :func:`rag_agent_tools` with ``tool_choice="auto"``: the model decides whether to call
+    ``search`` at all (the episode's ``tool_calls`` counts the searches it chose; evaluation's
+    tool-use rate is then the unforced tool-call rate)."""
+    return _episode_sync(ctx, tool_mode=True, tool_choice="auto")
+
+
 async def rag_agent_async(ctx: Any, tool_mode: bool = False) -> dict[str, Any]:
     """Async form of :func:`rag_agent`."""
     result = await run_episode(ctx.task, ctx.base_url, ctx.api_key, tool_mode=tool_mode)
@@ -290,6 +303,8 @@ async def _main() -> None:
     ap.add_argument("-n", "--episodes", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--tool-mode", action="store_true", help="the researcher agent with the search tool")
+    ap.add_argument("--tool-choice", choices=["search", "auto"], default="search",
+                    help="tool mode: force the first search, or leave it to the model")
     ap.add_argument("--verbose", action="store_true", help="print every model call")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else (TRAIN_SEED if args.split == "train" else HELDOUT_SEED)
@@ -298,7 +313,8 @@ async def _main() -> None:
     async def one(task: dict[str, Any]) -> dict[str, Any]:
         async with sem:
             started = time.perf_counter()
-            episode = await run_episode(task, args.base_url, args.api_key, tool_mode=args.tool_mode)
+            episode = await run_episode(task, args.base_url, args.api_key, tool_mode=args.tool_mode,
+                                        tool_choice=args.tool_choice)
             return {**episode, "task_id": task["task_id"], "gold": task["answers"],
                     "support_found": sum(s in episode["retrieved"] for s in task["support"]),
                     "seconds": round(time.perf_counter() - started, 2)}

@@ -129,6 +129,32 @@ def test_tool_path_calls_search_with_the_models_query():
     assert result["components"] == {"f1": 1.0, "format": 1.0, "correct": 1.0} and result["reward"] == 1.0
 
 
+def test_tool_path_auto_leaves_the_search_to_the_model(monkeypatch):
+    """``tool_choice="auto"``: the first request forces nothing; a model that answers at once
+    makes no search (tool_calls 0), one that searches is served as on the forced path. The
+    runner callable ``rag_agent_tools_auto`` asks for exactly this."""
+    result, reqs = run([("<answer>Peso</answer>", None)], tool_mode=True, tool_choice="auto")
+    assert reqs[0]["body"]["tool_choice"] == "auto" and [t["function"]["name"] for t in reqs[0]["body"]["tools"]] == [
+        "search"]
+    assert (result["tool_calls"], result["queries"], result["calls"], result["reward"]) == (0, [], 1, 1.0)
+    result, reqs = run([(None, [("search", {"query": "Guadalajara"})]), ("<answer>Peso</answer>", None)],
+                       tool_mode=True, tool_choice="auto")
+    assert reqs[0]["body"]["tool_choice"] == "auto" and result["queries"] == ["Guadalajara"]
+    assert result["tool_calls"] == 1 and result["calls"] == 2
+
+    seen = {}
+
+    async def fake_episode(task, base_url, api_key, tool_mode=False, tool_choice="search"):
+        seen.update(tool_mode=tool_mode, tool_choice=tool_choice)
+        return {"reward": 0.1, "components": {"f1": 0.0, "format": 1.0, "correct": 0.0}}
+
+    monkeypatch.setattr(ra, "run_episode", fake_episode)
+    ctx = RolloutContext(TASK, TASK["task_id"], "r1", "0", "http://proxy.test/rollouts/r1/attempts/0/v1",
+                         api_key="tok")
+    ra.rag_agent_tools_auto(ctx)
+    assert seen == {"tool_mode": True, "tool_choice": "auto"}
+
+
 def test_tool_path_third_search_refused():
     result, reqs = run([
         (None, [("search", {"query": "Guadalajara"})]),

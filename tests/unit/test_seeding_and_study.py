@@ -176,11 +176,11 @@ def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
         "size": {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}, "options": {}, "trainer_env": {}}
     assert demo_plan(sql, "qwen2.5-coder-0.5b") == {
         "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
-        "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0},
+        "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0, "stage_timeout_s": 2400.0},
         "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
     assert demo_plan(agent_spec("rag"), "qwen2.5-coder-0.5b") == {
-        "size": {"iterations": 8, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
-        "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0},
+        "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
+        "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0, "stage_timeout_s": 2400.0},
         "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
     assert demo_plan(agent_spec("rag"), "smollm2-135m")["size"] == {
         "iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
@@ -247,7 +247,8 @@ def test_demo_runs_the_plan_under_the_command_lines_options(monkeypatch):
         assert r.exit_code == 0, r.output
         cfg = seen["cfg"]
         assert (cfg.iterations, cfg.tasks_per_iteration, cfg.group_size, cfg.heldout_tasks) == (5, 3, 4, 200)
-        assert (cfg.heldout_modes, cfg.logprob_shift, cfg.rollout_timeout_s) == (("greedy",), False, 600.0)
+        assert (cfg.heldout_modes, cfg.logprob_shift, cfg.rollout_timeout_s, cfg.stage_timeout_s) == (
+            ("greedy",), False, 600.0, 2400.0)
         assert seen["env"] == {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "2e-5",
                                "SPANRL_TRAINER_KL_COEF": "0.2"}
         r = CliRunner().invoke(cli.app, ["demo", "--agent", "sql", "--heldout-modes", "sampled,greedy",
