@@ -20,8 +20,8 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: ``world`` tasks greedy only and no log-prob shift scoring (each is a ~6 s prefill of the 0.5B
 #: model here): held-out greedy execution accuracy 0.455 -> 0.510 and 0.455 -> 0.490 in two runs
 #: (LEARNING.md, issue 19; the second one's interval touches 0, after one rollout of 16 in flight
-#: outlived the main job's 180 s rollout timeout, so the 0.5B entry allows 600 s, and 40 min per training
-#: stage, which a 0.5B update on 2 cores can outlast: examples/rag_agent/spec.py)
+#: outlived the main job's 180 s rollout timeout, so the 0.5B entry allows 600 s; and 40 min per training
+#: stage, as a 0.5B RAG update outlasted the default 900 s: examples/rag_agent/spec.py)
 DEMO_BY_MODEL = {
     "qwen2.5-coder-0.5b": {
         "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
