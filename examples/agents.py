@@ -13,10 +13,25 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from spanrl.core.settings import TrainerConfig
+
 AGENTS = {
     "math": "examples.math_agent.spec",   # AutoGen calculator agent (the paper's math QA)
     "sql": "examples.sql_agent.spec",     # LangGraph text-to-SQL team (write / check / rewrite)
     "rag": "examples.rag_agent.spec",     # OpenAI Agents SDK retrieval agent (multi-hop QA)
+}
+
+
+#: the demo of the SQL and RAG agents with qwen2.5-coder-0.5b (their specs' ``DEMO_BY_MODEL``;
+#: issue 19, LEARNING.md): LoRA rank 16 at lr 5e-5, 5 iterations x 4 tasks x 4 rollouts, 200 held-out
+#: tasks greedy only, no log-prob shift scoring (a ~6 s prefill of the 0.5B model per completion on
+#: 2 CPU cores), 600 s per rollout (16 SQL rollouts in flight took one past 180 s) and 40 min per
+#: training stage (a RAG update of 48 samples outlasted the default 900 s)
+QWEN05B_LORA_DEMO = {
+    "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
+    "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0,
+                "stage_timeout_s": 2400.0},
+    "trainer_env": TrainerConfig.env(lora_rank=16, lr="5e-5"),
 }
 
 

@@ -252,9 +252,8 @@ async def run_episode(task: dict[str, Any], base_url: str, api_key: str = "spanr
     }
 
 
-def _episode_sync(ctx: Any, tool_mode: bool, tool_choice: str | None = None) -> dict[str, Any]:
-    choice = {"tool_choice": tool_choice} if tool_choice else {}
-    episode = run_episode(ctx.task, ctx.base_url, ctx.api_key, tool_mode=tool_mode, **choice)
+def _episode_sync(ctx: Any, tool_mode: bool, tool_choice: str = "search") -> dict[str, Any]:
+    episode = run_episode(ctx.task, ctx.base_url, ctx.api_key, tool_mode=tool_mode, tool_choice=tool_choice)
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -4,7 +4,7 @@ Both agents of the default path train; evaluation reads ``correct`` as success a
 ``format`` as the format rate (components of :func:`reward.reward`).
 """
 
-from spanrl.core.settings import TrainerConfig
+from examples.agents import QWEN05B_LORA_DEMO
 
 from .tasks import HELDOUT_SEED, TRAIN_SEED, load_tasks
 
@@ -18,20 +18,11 @@ FORMAT_COMPONENT = "format"
 DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: the demo with another base policy (``make demo AGENT=rag MODEL=...``), over ``DEMO``, the main
 #: job's options and the demo's trainer settings (examples/agents.py ``demo_plan``).
-#: qwen2.5-coder-0.5b: the SQL agent's 0.5B setting (LoRA rank 16 at lr 5e-5, greedy held-out
-#: evaluation only, no log-prob shift, 600 s per rollout, 40 min per training stage) on 5
-#: iterations x 4 tasks x 4 rollouts and 200 held-out questions. Base greedy reward 0.568; the
+#: qwen2.5-coder-0.5b: examples/agents.py ``QWEN05B_LORA_DEMO``. Base greedy reward 0.568; the
 #: answerer leaves out ``<answer>`` on ~80 % of language questions. On 2 CPU cores each evaluation
 #: is ~27 min and an update of 48 samples (~14k tokens at ~25 tokens/s with the reference KL) ~9-15
 #: min: about 2 h in all (session 32: 8 iterations did not fit, and 900 s per stage cut iteration 1)
-DEMO_BY_MODEL = {
-    "qwen2.5-coder-0.5b": {
-        "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
-        "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0,
-                    "stage_timeout_s": 2400.0},
-        "trainer_env": TrainerConfig.env(lora_rank=16, lr="5e-5"),
-    },
-}
+DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": QWEN05B_LORA_DEMO}
 
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED",
            "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO", "DEMO_BY_MODEL"]

@@ -175,7 +175,7 @@ def test_tool_path_too_many_turns_scores_empty():
 
 
 def test_runner_callable_emits_reward_once(monkeypatch):
-    async def fake_episode(task, base_url, api_key, tool_mode=False):
+    async def fake_episode(task, base_url, api_key, tool_mode=False, tool_choice="search"):
         assert base_url.endswith("/attempts/0/v1") and api_key == "tok" and tool_mode is False
         return {"reward": 0.55, "components": {"f1": 0.5, "format": 1.0, "correct": 0.0}}
 
