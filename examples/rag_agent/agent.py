@@ -62,6 +62,10 @@ MAX_QUERY_WORDS = 8
 #: arguments to the (strict) schema, so the call ends within ``MAX_TOKENS`` (an unbounded
 #: string from the base model ran past 64 tokens in 1 of 8 runs and no call was parsed)
 MAX_QUERY_CHARS = 40
+#: the search tool's name, and the tool path's default first-turn ``tool_choice`` (forced search)
+SEARCH_TOOL = "search"
+#: the tool path's first-turn choices: forced search, or the model's own choice
+TOOL_CHOICES = (SEARCH_TOOL, "auto")
 WORKFLOW = "rag_agent"
 
 QUERY_WRITER = "query_writer"
@@ -139,7 +143,7 @@ def make_model(base_url: str, api_key: str, http_client: httpx.AsyncClient | Non
     return OpenAIChatCompletionsModel(model=MODEL, openai_client=client), client
 
 
-def make_agents(model: OpenAIChatCompletionsModel, tool_choice: str = "search") -> dict[str, Agent]:
+def make_agents(model: OpenAIChatCompletionsModel, tool_choice: str = SEARCH_TOOL) -> dict[str, Agent]:
     """The three agents, by their stable names; ``tool_choice`` is the researcher's first turn's
     (``"search"``: forced, ``"auto"``: the model's choice)."""
     return {
@@ -166,7 +170,7 @@ class SearchLog:
         return hits
 
 
-@function_tool(name_override="search")
+@function_tool(name_override=SEARCH_TOOL)
 def search_tool(ctx: RunContextWrapper[SearchLog], query: Annotated[str, Field(max_length=MAX_QUERY_CHARS)]) -> str:
     """Search an encyclopedia of countries and cities; returns the best passages.
 
@@ -216,7 +220,7 @@ async def _research(task: dict[str, Any], agents: dict[str, Agent], log: SearchL
 
 async def run_episode(task: dict[str, Any], base_url: str, api_key: str = "spanrl", *, tool_mode: bool = False,
                       hops: int = MAX_SEARCHES, http_client: httpx.AsyncClient | None = None,
-                      tool_choice: str = "search") -> dict[str, Any]:
+                      tool_choice: str = SEARCH_TOOL) -> dict[str, Any]:
     """Run one episode of ``task`` against ``base_url`` and score its final text.
 
     Returns ``{"answer", "final_text", "queries", "tool_calls", "retrieved", "calls",
@@ -252,7 +256,7 @@ async def run_episode(task: dict[str, Any], base_url: str, api_key: str = "spanr
     }
 
 
-def _episode_sync(ctx: Any, tool_mode: bool, tool_choice: str = "search") -> dict[str, Any]:
+def _episode_sync(ctx: Any, tool_mode: bool, tool_choice: str = SEARCH_TOOL) -> dict[str, Any]:
     episode = run_episode(ctx.task, ctx.base_url, ctx.api_key, tool_mode=tool_mode, tool_choice=tool_choice)
     try:
         asyncio.get_running_loop()
@@ -302,7 +306,7 @@ async def _main() -> None:
     ap.add_argument("-n", "--episodes", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--tool-mode", action="store_true", help="the researcher agent with the search tool")
-    ap.add_argument("--tool-choice", choices=["search", "auto"], default="search",
+    ap.add_argument("--tool-choice", choices=TOOL_CHOICES, default=SEARCH_TOOL,
                     help="tool mode: force the first search, or leave it to the model")
     ap.add_argument("--verbose", action="store_true", help="print every model call")
     args = ap.parse_args()

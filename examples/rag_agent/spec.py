@@ -18,10 +18,9 @@ FORMAT_COMPONENT = "format"
 DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: the demo with another base policy (``make demo AGENT=rag MODEL=...``), over ``DEMO``, the main
 #: job's options and the demo's trainer settings (examples/agents.py ``demo_plan``).
-#: qwen2.5-coder-0.5b: examples/agents.py ``QWEN05B_LORA_DEMO``. Base greedy reward 0.568; the
-#: answerer leaves out ``<answer>`` on ~80 % of language questions. On 2 CPU cores each evaluation
-#: is ~27 min and an update of 48 samples (~14k tokens at ~25 tokens/s with the reference KL) ~9-15
-#: min: about 2 h in all (session 32: 8 iterations did not fit, and 900 s per stage cut iteration 1)
+#: qwen2.5-coder-0.5b: examples/agents.py ``QWEN05B_LORA_DEMO``. Session 33's fresh-clone run:
+#: held-out greedy reward 0.568 -> 0.750, +0.182 [+0.138, +0.229] (LEARNING.md, issue 19); 148 min
+#: on 2 CPU cores (two evaluations of 26 and 36 min, updates of 8-20 min growing with the replay)
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": QWEN05B_LORA_DEMO}
 
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED",
