@@ -17,8 +17,8 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: the demo with another base policy (``make demo AGENT=sql MODEL=...``), over ``DEMO``, the main
 #: job's options and the demo's trainer settings (examples/agents.py ``demo_plan``).
 #: qwen2.5-coder-0.5b: examples/agents.py ``QWEN05B_LORA_DEMO``; held-out greedy execution accuracy
-#: 0.455 -> 0.510 and 0.455 -> 0.490 in two runs (LEARNING.md, issue 19; the second one's interval
-#: touches 0, after one rollout outlived the 180 s rollout timeout of then)
+#: 0.455 -> 0.510, 0.490 and 0.485 in three runs (LEARNING.md, issue 19: +0.055 [+0.020, +0.095],
+#: +0.035 [0.000, +0.070], +0.030 [-0.005, +0.065]; 9 tasks up in all three, the same 3 down)
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": QWEN05B_LORA_DEMO}
 
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO",
