@@ -78,7 +78,7 @@ def _one_checkpoint(model, s, client, run: str, version: int, tmp: Path, vllm_ur
 
 
 def measure(vllm_url: str | None, lora_rank: int = 0) -> dict:
-    """The full checkpoint's steps at the top level (as before ``--lora-rank``), and with
+    """The full checkpoint's steps (:func:`_one_checkpoint`) at the top level, and with
     ``lora_rank`` > 0 a LoRA adapter checkpoint's under ``lora`` and ``lora_over_full`` (LoRA's
     figure / full's, per step and for bytes). Raises ValueError for a negative rank."""
     from spanrl.core.settings import TrainerConfig, get_settings
