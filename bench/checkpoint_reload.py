@@ -103,9 +103,8 @@ def measure(vllm_url: str | None, lora_rank: int = 0) -> dict:
                                      if out["lora"].get(k) and out.get(k)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        bucket, _ = checkpoint.parse_uri(checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1))
-        for o in client.list_objects(bucket, prefix=f"{run}/", recursive=True):
-            client.remove_object(bucket, o.object_name)
+        for o in client.list_objects(s.checkpoint_bucket, prefix=f"{run}/", recursive=True):
+            client.remove_object(s.checkpoint_bucket, o.object_name)
     return out
 
 
