@@ -21,7 +21,8 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: groups had reward variance in session 34) 0.455 -> 0.510, 0.490, 0.485 in three runs (+0.055
 #: [+0.020, +0.095], +0.035 [0.000, +0.070], +0.030 [-0.005, +0.065]; the same 9 tasks up, 3 down);
 #: with 8, 0.455 -> 0.520, +0.065 [+0.025, +0.105] (session 35, one run, 151 min on 2 cores).
-DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {**QWEN05B_LORA_DEMO, "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8}}}
+DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {**QWEN05B_LORA_DEMO,
+                                        "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8}}}
 
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO",
            "DEMO_BY_MODEL", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED"]
