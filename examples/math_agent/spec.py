@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from examples.agents import QWEN05B_LORA_DEMO
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED, load_task_set
 
 NAME = "math"
@@ -15,6 +16,12 @@ SUCCESS_COMPONENT = "correct"
 FORMAT_COMPONENT = "format"
 #: the demo's size (LEARNING.md: the setting whose held-out gain was measured)
 DEMO = {"iterations": 4, "tasks": 6, "group_size": 6, "heldout_tasks": 200}
+#: the demo with another base policy (examples/agents.py ``demo_plan``). qwen2.5-coder-0.5b (issue 19
+#: item 5): the SQL and RAG agents' 0.5B setting (``QWEN05B_LORA_DEMO``'s options and trainer
+#: settings: LoRA r16, lr 5e-5, greedy evaluation) at this agent's own ``DEMO`` size, and the base and
+#: final policy also on 100 out-of-distribution ``gsm_symbolic`` tasks
+DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {"options": {**QWEN05B_LORA_DEMO["options"], "ood_tasks": 100},
+                                        "trainer_env": QWEN05B_LORA_DEMO["trainer_env"]}}
 TASK_SET = "arith_word"
 
 
