@@ -34,10 +34,11 @@ import time
 from typing import Any
 
 from autogen_agentchat.agents import AssistantAgent
-from autogen_agentchat.messages import TextMessage
+from autogen_agentchat.messages import TextMessage, ToolCallExecutionEvent, ToolCallRequestEvent
 from autogen_core import CancellationToken
 from autogen_core.model_context import UnboundedChatCompletionContext
 from autogen_core.models import AssistantMessage, UserMessage
+from autogen_core.tools import FunctionTool
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from spanrl.producers import instrument
@@ -88,6 +89,23 @@ MODEL_INFO = {
     "family": "unknown",
     "structured_output": False,
 }
+
+
+#: the native tool path (``tool_mode=True``; issue 19 item 5, for models whose chat template has
+#: tools, e.g. qwen2.5-coder-0.5b): the calculator is an OpenAI tool the model may call or not
+#: (``tool_choice="auto"``, AutoGen's default for an agent with tools); no ``<calc>`` protocol and no
+#: worked examples, so every tool call is the model's own. After a call AutoGen runs the tool and
+#: asks the model once more (``reflect_on_tool_use``, tools off) for the text that ends the turn.
+TOOL_SYSTEM_PROMPT = (
+    "You are a math assistant. Use the calculator tool to compute. "
+    "Finish with a line: Answer: <number>"
+)
+TOOL_NAME = "calculator"
+
+
+async def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers and + - * / // % ** only."""
+    return run_calculator(expression)
 
 
 def user_prompt(task: dict[str, Any]) -> str:
@@ -143,6 +161,7 @@ async def run_episode(
     *,
     max_turns: int = MAX_TURNS,
     few_shot: bool = True,
+    tool_mode: bool = False,
     **client_overrides: Any,
 ) -> dict[str, Any]:
     """Run one episode of ``task`` against ``base_url``; score the final text.
@@ -150,7 +169,13 @@ async def run_episode(
     Returns ``{"reward", "components", "final_text", "calls", "transcript",
     "tool_calls", "tool_errors"}``. ``client_overrides`` go to
     :func:`make_client` (tests pass an ``http_client`` with a mock transport).
+    ``tool_mode``: the native tool path (:data:`TOOL_SYSTEM_PROMPT`; ``few_shot`` is not used);
+    ``tool_calls`` then counts the model's parsed tool calls, and the result also has
+    ``text_calcs`` (``<calc>`` tags the model wrote instead, not run) and ``unparsed_tool_calls``
+    (replies that name the calculator in a JSON object the server's tool parser did not read).
     """
+    if tool_mode:
+        return await _run_tool_episode(task, base_url, max_turns=max_turns, **client_overrides)
     client = make_client(base_url, **client_overrides)
     shots = FEW_SHOT if few_shot else []
     context = UnboundedChatCompletionContext(initial_messages=[
@@ -200,6 +225,57 @@ async def run_episode(
     }
 
 
+UNPARSED_CALL_RE = re.compile(r'\{\s*"name"\s*:\s*"' + TOOL_NAME + '"')
+
+
+async def _run_tool_episode(task: dict[str, Any], base_url: str, *, max_turns: int,
+                            **client_overrides: Any) -> dict[str, Any]:
+    """:func:`run_episode`'s native tool path. A turn is one model call that may call the
+    calculator, followed by AutoGen's reflection call when it did; :data:`NUDGE` starts another
+    turn while no ``Answer:`` line came and fewer than ``max_turns`` calls were made (so at most
+    ``max_turns + 1`` calls)."""
+    client = make_client(base_url, model_info={**MODEL_INFO, "function_calling": True}, **client_overrides)
+    agent = AssistantAgent(
+        name=AGENT_NAME,
+        model_client=client,
+        tools=[FunctionTool(calculator, description=calculator.__doc__ or "", name=TOOL_NAME)],
+        system_message=TOOL_SYSTEM_PROMPT,
+        reflect_on_tool_use=True,
+        description="Solves GSM-style word problems with a native calculator tool.",
+    )
+    token = CancellationToken()
+    transcript: list[dict[str, str]] = [{"role": "system", "content": TOOL_SYSTEM_PROMPT}]
+    message = user_prompt(task)
+    final_text = ""
+    calls = tool_calls = tool_errors = text_calcs = unparsed = 0
+    try:
+        while calls < max_turns:
+            transcript.append({"role": "user", "content": message})
+            response = await agent.on_messages([TextMessage(content=message, source="user")], token)
+            for event in response.inner_messages or []:
+                if isinstance(event, ToolCallRequestEvent):
+                    calls += 1
+                    tool_calls += len(event.content)
+                    transcript += [{"role": "assistant", "content": f"{c.name}({c.arguments})"} for c in event.content]
+                elif isinstance(event, ToolCallExecutionEvent):
+                    tool_errors += sum(r.is_error or r.content.startswith("error:") for r in event.content)
+                    transcript += [{"role": "tool", "content": r.content} for r in event.content]
+            calls += 1  # the reply that ended the turn (the reflection after a tool call)
+            final_text = str(response.chat_message.content)
+            transcript.append({"role": "assistant", "content": final_text})
+            text_calcs += len(CALC_RE.findall(final_text))
+            unparsed += bool(UNPARSED_CALL_RE.search(final_text))
+            if extract_answer(final_text) is not None:
+                break
+            message = NUDGE
+    finally:
+        await client.close()
+    value, components = reward(final_text, task)
+    return {"reward": value, "components": components, "final_text": final_text, "calls": calls,
+            "tool_calls": tool_calls, "tool_errors": tool_errors, "text_calcs": text_calcs,
+            "unparsed_tool_calls": unparsed, "transcript": transcript}
+
+
 def _run_sync(coro: Any) -> Any:
     try:
         asyncio.get_running_loop()
@@ -227,24 +303,36 @@ def math_agent(ctx: Any) -> dict:
     return result
 
 
+def math_agent_tools_auto(ctx: Any) -> dict:
+    """:func:`math_agent` on the native tool path (``tool_mode``): the model may call the
+    calculator as a tool, nothing forces it (``spanrl eval --agent
+    examples.math_agent.agent:math_agent_tools_auto``: its tool use rate is the unforced rate)."""
+    result = _run_sync(run_episode(ctx.task, ctx.base_url, api_key=ctx.api_key, tool_mode=True))
+    ctx.emit_reward(result["reward"], final=True, **result["components"])
+    return result
+
+
 async def _main() -> None:
-    from .tasks import load_tasks
+    from .tasks import load_task_set
 
     ap = argparse.ArgumentParser(description="Run math-agent episodes against an OpenAI-compatible server.")
     ap.add_argument("--base-url", default="http://127.0.0.1:18000/v1")
+    ap.add_argument("--task-set", default="gsm_symbolic", help="arith_word | gsm_symbolic | ... (tasks.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-n", "--episodes", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="print every transcript")
+    ap.add_argument("--tool-mode", action="store_true", help="the native tool path (tool_choice auto)")
+    ap.add_argument("--temperature", type=float, default=TEMPERATURE)
     args = ap.parse_args()
 
-    tasks = load_tasks(seed=args.seed, size=args.episodes)
+    tasks = load_task_set(args.task_set, args.seed, args.episodes)
     sem = asyncio.Semaphore(args.concurrency)
 
     async def one(t: dict[str, Any]) -> dict[str, Any]:
         async with sem:
             t0 = time.perf_counter()
-            r = await run_episode(t, args.base_url)
+            r = await run_episode(t, args.base_url, tool_mode=args.tool_mode, temperature=args.temperature)
             r["seconds"] = time.perf_counter() - t0
             r["task_id"] = t["task_id"]
             r["answer"] = t["answer"]
@@ -268,6 +356,9 @@ async def _main() -> None:
                 "correct_rate": sum(r["components"]["correct"] for r in results) / n,
                 "mean_calls": sum(r["calls"] for r in results) / n,
                 "episodes_with_tool_call": sum(r["tool_calls"] > 0 for r in results),
+                **({"episodes_with_text_calc": sum(r["text_calcs"] > 0 for r in results),
+                    "episodes_with_unparsed_tool_call": sum(r["unparsed_tool_calls"] > 0 for r in results)}
+                   if args.tool_mode else {}),
                 "mean_seconds": sum(r["seconds"] for r in results) / n,
             }
         )

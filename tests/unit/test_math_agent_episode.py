@@ -174,3 +174,65 @@ def test_calculator_calls_are_tool_spans_failed_on_errors(monkeypatch):
                 "attributes": dict(s.attributes)} for s in spans]
     assert [span_facts(r) for r in records] == [["tool_ok"], ["tool_error"], ["tool_ok"]]
     assert spans[1].attributes["error.type"] == "CalcError" and spans[1].status.description == "error: division by zero"
+
+
+def tool_scripted(replies):
+    """Like :func:`scripted`; a reply that is a dict ``{"expression": ...}`` comes back as a
+    parsed calculator tool call (what vLLM's tool parser returns)."""
+    requests = []
+    replies = list(replies)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(json.loads(request.content))
+        reply = replies.pop(0)
+        if isinstance(reply, dict):
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call-{len(requests)}", "type": "function",
+                 "function": {"name": "calculator", "arguments": json.dumps(reply)}}]}
+            finish = "tool_calls"
+        else:
+            message, finish = {"role": "assistant", "content": reply}, "stop"
+        return httpx.Response(200, json={
+            "id": f"cmpl-{len(requests)}", "object": "chat.completion", "created": 0, "model": "policy",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+
+    return requests, handler
+
+
+def run_tools(replies):
+    requests, handler = tool_scripted(replies)
+    http_client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    result = asyncio.run(ma.run_episode(TASK, "http://proxy.test/r/abc/v1", http_client=http_client, tool_mode=True))
+    return result, requests
+
+
+def test_tool_mode_native_call_then_reflection():
+    result, reqs = run_tools([{"expression": "3*12-5"}, "Answer: 31"])
+    assert result["reward"] == 1.0 and result["calls"] == 2 == len(reqs)
+    assert (result["tool_calls"], result["tool_errors"], result["text_calcs"], result["unparsed_tool_calls"]) == (1, 0, 0, 0)
+    first = reqs[0]
+    assert [t["function"]["name"] for t in first["tools"]] == ["calculator"]
+    assert first["tool_choice"] == "auto"  # unforced
+    assert [m["role"] for m in first["messages"]] == ["system", "user"]  # no worked examples
+    assert "<calc>" not in first["messages"][0]["content"]
+    # the reflection call sees the tool's result and may not call tools again
+    assert reqs[1]["messages"][-1] == {"role": "tool", "content": "31", "tool_call_id": "call-1"}
+    assert reqs[1].get("tool_choice", "none") == "none"
+    assert [m["role"] for m in result["transcript"]] == ["system", "user", "assistant", "tool", "assistant"]
+
+
+def test_tool_mode_counts_text_calcs_and_unparsed_calls_without_running_them():
+    result, reqs = run_tools(["<calc>3*12-5</calc>", '{"name": "calculator", "arguments": {"expression": "31"}}',
+                              "Answer: 31"])
+    assert result["calls"] == 3 == len(reqs) and reqs[1]["messages"][-1]["content"] == ma.NUDGE
+    assert (result["tool_calls"], result["text_calcs"], result["unparsed_tool_calls"]) == (0, 1, 1)
+    assert result["reward"] == 1.0
+
+
+def test_tool_mode_tool_error_and_turn_limit():
+    result, reqs = run_tools([{"expression": "x*2"}, "no idea", "still no idea"])
+    assert result["tool_calls"] == 1 and result["tool_errors"] == 1
+    assert reqs[1]["messages"][-1]["content"] == "error: names are not allowed: x"
+    # 2 calls in the first turn, 1 after the nudge: max_turns (3) reached
+    assert result["calls"] == 3 == len(reqs) and result["reward"] == 0.0
