@@ -16,6 +16,11 @@ the agent:
 3. At most ``max_turns`` (default 3) model calls per episode. The last model reply
    is the final text, scored by :func:`reward.reward`.
 
+For a model whose chat template has tools (qwen2.5-coder-0.5b behind vLLM's tool parser) there is
+also a native tool path (``tool_mode``, runner :func:`math_agent_tools_auto`): the calculator is an
+OpenAI tool the model may call (``tool_choice="auto"``), without the text protocol; it measures the
+model's unforced tool-call rate.
+
 No spanrl header names the agent: the runner turns on OpenInference's AutoGen AgentChat
 instrumentation, whose span of the ``math_agent`` AssistantAgent is the parent of each
 request (``traceparent``), so spanrl resolves the agent from AutoGen's own telemetry;
