@@ -187,7 +187,7 @@ def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
     assert demo_plan(agent_spec("math"), "qwen2.5-coder-0.5b") == {
         "size": {"iterations": 4, "tasks": 6, "group_size": 6, "heldout_tasks": 200},
         "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0,
-                    "stage_timeout_s": 2400.0, "ood_tasks": 100},
+                    "stage_timeout_s": 2400.0, "task_set": "gsm_symbolic", "train_task_set": "gsm_symbolic"},
         "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
     assert demo_plan(agent_spec("math"), "smollm2-135m") == {
         "size": {"iterations": 4, "tasks": 6, "group_size": 6, "heldout_tasks": 200}, "options": {}, "trainer_env": {}}
