@@ -22,7 +22,8 @@ DEMO = {"iterations": 4, "tasks": 6, "group_size": 6, "heldout_tasks": 200}
 #: out on ``gsm_symbolic`` (seeds 0 and 1000): on ``arith_word`` the 0.5B base is at the ceiling (200 of
 #: 200 held-out tasks greedy, every training group of session 36's run rewarded 1.0 at temperature 1,
 #: so nothing trained), on ``gsm_symbolic`` at 0.165 greedy (200 tasks). Session 36's fresh-clone run:
-#: held-out greedy correct 0.165 -> 0.220, +0.055 [+0.015, +0.100] (one run, 47 min; LEARNING.md).
+#: held-out greedy correct 0.165 -> 0.220, +0.055 [+0.015, +0.100] (47 min); with SPANRL_SEED=1
+#: 0.165 -> 0.185, +0.020 [-0.020, +0.060] (LEARNING.md).
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {
     "options": {**QWEN05B_LORA_DEMO["options"], "task_set": "gsm_symbolic", "train_task_set": "gsm_symbolic"},
     "trainer_env": QWEN05B_LORA_DEMO["trainer_env"]}}
