@@ -210,7 +210,8 @@ def run_tools(replies):
 def test_tool_mode_native_call_then_reflection():
     result, reqs = run_tools([{"expression": "3*12-5"}, "Answer: 31"])
     assert result["reward"] == 1.0 and result["calls"] == 2 == len(reqs)
-    assert (result["tool_calls"], result["tool_errors"], result["text_calcs"], result["unparsed_tool_calls"]) == (1, 0, 0, 0)
+    counts = ("tool_calls", "tool_errors", "text_calcs", "unparsed_tool_calls")
+    assert tuple(result[k] for k in counts) == (1, 0, 0, 0)
     first = reqs[0]
     assert [t["function"]["name"] for t in first["tools"]] == ["calculator"]
     assert first["tool_choice"] == "auto"  # unforced
