@@ -303,16 +303,20 @@ def math_agent(ctx: Any) -> dict:
     per-rollout OpenAI base URL, ``ctx.api_key`` the proxy's bearer token (or a placeholder).
     Emits the final reward (with its components) itself and returns the episode dict (not
     a float, so the runner does not emit it a second time)."""
-    result = _run_sync(run_episode(ctx.task, ctx.base_url, api_key=ctx.api_key))
-    ctx.emit_reward(result["reward"], final=True, **result["components"])
-    return result
+    return _episode_sync(ctx)
 
 
 def math_agent_tools_auto(ctx: Any) -> dict:
     """:func:`math_agent` on the native tool path (``tool_mode``): the model may call the
     calculator as a tool, nothing forces it (``spanrl eval --agent
     examples.math_agent.agent:math_agent_tools_auto``: its tool use rate is the unforced rate)."""
-    result = _run_sync(run_episode(ctx.task, ctx.base_url, api_key=ctx.api_key, tool_mode=True))
+    return _episode_sync(ctx, tool_mode=True)
+
+
+def _episode_sync(ctx: Any, **episode_options: Any) -> dict:
+    """One episode of ``ctx.task`` (:func:`run_episode` with ``episode_options``), its final reward
+    emitted from the caller's thread; the episode dict."""
+    result = _run_sync(run_episode(ctx.task, ctx.base_url, api_key=ctx.api_key, **episode_options))
     ctx.emit_reward(result["reward"], final=True, **result["components"])
     return result
 
