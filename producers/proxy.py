@@ -66,7 +66,7 @@ from pydantic import BaseModel, SecretStr
 from spanrl.core import claims, ids, production, response_ids
 from spanrl.core import metrics as prom
 from spanrl.core.edge import BadRequest
-from spanrl.core.settings import ProducerSettings, TopicSettings, check_environment
+from spanrl.core.settings import PROCESSED_LOGPROBS, ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import edge, seeding, streaming
 from spanrl.producers.client_apis import CLIENT_APIS, ClientApi, StreamEvents
 from spanrl.producers.client_apis import MESSAGES, sse_events, strip_response  # noqa: F401 - their old home
@@ -94,6 +94,7 @@ PLAIN_COUNTERS = {
     "policy_version_updates": "policy versions posted by the reloader",
     "policy_unsynced_posts": "policy_unsynced notices posted by the reloader",
     "dead_letter_unwritten": "dead letters of interrupted streams Kafka did not take",
+    "rollout_temperature_set": "training calls whose temperature the proxy set to SPANRL_ROLLOUT_TEMPERATURE",
 }
 
 
@@ -368,14 +369,19 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
                timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
                auth_token: SecretStr | str | None = None, claim_client=None,
-               payload_bucket: str | None = None, eval_topics: Topics | None = None) -> FastAPI:
+               payload_bucket: str | None = None, eval_topics: Topics | None = None,
+               rollout_temperature: float | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
     ``auth_token``: bearer token every route but ``GET /health`` requires (None: open).
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
     (spanrl/core/claims.py); default: MinIO and bucket of the settings.
     ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
-    ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them."""
+    ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them.
+    ``rollout_temperature`` (``SPANRL_ROLLOUT_TEMPERATURE``): the temperature every call of a
+    training or production route is sampled at (:func:`untrainable_sampling` refusals: 400
+    ``untrainable_sampling``), once vLLM is known to return processed log-probs
+    (:func:`logprobs_mode_problem`; else 503 ``vllm_logprobs_mode``); None: the client's own."""
     metrics: Counter[str] = Counter()
     if payload_bucket is None:
         from spanrl.core.settings import get_settings
@@ -386,6 +392,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     policy = PolicyState(policy_version)
     train_topics: Topics = sink.topics
     eval_topics = eval_topics or Topics.evaluation()
+    vllm_mode: dict[str, str] = {}  # "checked": vLLM's logprobs mode, once it was the processed one
 
     async def follow_reloader(client: httpx.AsyncClient) -> None:
         while True:
@@ -468,6 +475,12 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                     raise BadRequest(400, "invalid_sampling",
                                      f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
                 body["temperature"] = temperature
+            elif topics is not eval_topics and rollout_temperature is not None:
+                if (problem := untrainable_sampling(body)) is not None:
+                    raise BadRequest(400, "untrainable_sampling", problem)
+                if body.get("temperature") != rollout_temperature:
+                    metrics["rollout_temperature_set"] += 1
+                body["temperature"] = rollout_temperature
             check_n(body)
             streamed = check_stream(body)
         except BadRequest as exc:
@@ -477,6 +490,20 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if not policy.synced:  # error() counts the reason
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
+        if topics is not eval_topics and rollout_temperature is not None and "checked" not in vllm_mode:
+            try:
+                info = await app.state.client.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+            except httpx.TransportError as exc:
+                return vllm_unavailable(exc)
+            try:
+                answer = info.json() if info.status_code == 200 else None
+            except ValueError:
+                answer = None
+            problem = logprobs_mode_problem(info.status_code, answer)
+            if problem is not None:
+                return error(503, "vllm_logprobs_mode", f"SPANRL_ROLLOUT_TEMPERATURE={rollout_temperature} needs "
+                             f"vLLM's processed log-probs: {problem}")
+            vllm_mode["checked"] = PROCESSED_LOGPROBS
         ctx = CallContext(api.endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
                           parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api.span_api,
                           attributes)
@@ -709,6 +736,48 @@ def client_routes(apis: tuple[ClientApi, ...] = CLIENT_APIS) -> list[tuple[str, 
     return [(family, prefix + api.route, api) for family, prefix in ROUTE_FAMILIES.items() for api in apis]
 
 
+#: the request fields that truncate or bias vLLM's sampling distribution, and their neutral
+#: values (vLLM 0.32 ``SamplingParams``; for ``top_k`` both 0 and -1 mean all tokens)
+SAMPLING_DISTORTIONS = {"top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
+                        "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
+                        "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": ([],)}
+
+
+def untrainable_sampling(body: dict) -> str | None:
+    """Why the trainer could not score a call of vLLM ``body`` as it was sampled, or None.
+
+    With ``SPANRL_ROLLOUT_TEMPERATURE`` set, vLLM's log-probs are those of the distribution
+    it sampled from (``--logprobs-mode processed_logprobs``): after temperature and after
+    top-p / top-k / min-p truncation, penalties, logit bias and banned tokens. The trainer
+    divides its logits by the temperature only, so a call that set any of
+    :data:`SAMPLING_DISTORTIONS` to a non-neutral value would give an importance ratio of two
+    different distributions. Example: ``{"top_p": 0.9, "top_k": -1}`` -> ``"top_p=0.9: ..."``."""
+    bad = [f"{key}={json.dumps(body[key])}" for key, neutral in SAMPLING_DISTORTIONS.items()
+           if body.get(key) is not None and body[key] not in neutral]
+    if not bad:
+        return None
+    return (f"{', '.join(bad)}: with SPANRL_ROLLOUT_TEMPERATURE set, training calls sample the whole softmax "
+            "at that temperature (the trainer scores nothing else); leave these out of training calls")
+
+
+def logprobs_mode_problem(status: int, server_info: dict | None) -> str | None:
+    """What is wrong with vLLM's log-probs for a rollout temperature, from its
+    ``GET /server_info?config_format=json`` answer (``status``, the JSON; vLLM's dev-mode
+    endpoint, which spanrl's stack and manifests turn on for weight reloads), or None when
+    vLLM returns ``processed_logprobs``. Example: (200, ``{"vllm_config": {"model_config":
+    {"logprobs_mode": "raw_logprobs"}}}``) -> ``"vLLM returns raw_logprobs; start it with
+    --logprobs-mode processed_logprobs"``."""
+    if status != 200 or not isinstance(server_info, dict):
+        return (f"GET /server_info answered {status}: its logprobs mode cannot be checked (vLLM needs "
+                "VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs)")
+    config = server_info.get("vllm_config")
+    model_config = config.get("model_config") if isinstance(config, dict) else None
+    mode = model_config.get("logprobs_mode") if isinstance(model_config, dict) else None
+    if mode == PROCESSED_LOGPROBS:
+        return None
+    return f"vLLM returns {mode}; start it with --logprobs-mode {PROCESSED_LOGPROBS}"
+
+
 def eval_temperature(sampling: str) -> float | None:
     """The temperature an ``/eval/{sampling}/...`` route sets: a finite number >= 0, else None."""
     try:
@@ -806,7 +875,7 @@ def main(argv: list[str] | None = None) -> None:
     eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.vllm_url,
                      a.model_name, a.policy_version, reloader_url=a.reloader_url.rstrip("/") or None,
-                     auth_token=s.auth_token, eval_topics=eval_topics)
+                     auth_token=s.auth_token, eval_topics=eval_topics, rollout_temperature=s.rollout_temperature)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

@@ -29,16 +29,32 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | torch.T
     return masked_sum(x, mask) / normaliser
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the tokens actually in ``input_ids`` under ``logits``.
+def tempered(x: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    """``x / temperature``: logits (or the final hidden states they are linear in) of the
+    distribution a call sampled at ``temperature`` was drawn from, ``softmax(logits / T)``
+    (vLLM's sampler divides the logits by the request's temperature before sampling,
+    vllm/v1/sample/sampler.py ``apply_temperature``; verl's actor divides its logits by the
+    rollout temperature before its log-probs likewise). ``temperature`` None or 1: ``x``
+    itself (the same tensor). Raises ValueError for a temperature that is not > 0."""
+    if temperature is None or temperature == 1:
+        return x
+    if not temperature > 0:
+        raise ValueError(f"a sampling temperature must be > 0, got {temperature}")
+    return x / temperature
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor,
+                   temperature: float | None = None) -> torch.Tensor:
+    """Log-probs of the tokens actually in ``input_ids`` under ``logits`` (divided by
+    ``temperature``, :func:`tempered`: the log-probs of tokens sampled at that temperature).
 
     logits ``[B, T, V]`` (position t predicts token t+1), input_ids ``[B, T]``,
     completion_mask ``[B, T]``. Returns ``[B, T]`` float32: entry ``t`` is
-    ``log softmax(logits[t-1])[input_ids[t]]`` where the mask is 1, else 0 (position 0
-    has no prediction and is never a completion token).
+    ``log softmax(logits[t-1] / temperature)[input_ids[t]]`` where the mask is 1, else 0
+    (position 0 has no prediction and is never a completion token).
     """
     # log pi(x_t | x_<t) = logit_{t-1}[x_t] - logsumexp(logit_{t-1})
-    shifted = logits[:, :-1, :].float()
+    shifted = tempered(logits[:, :-1, :].float(), temperature)
     targets = input_ids[:, 1:].unsqueeze(-1)
     logp = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
     out = F.pad(logp, (1, 0), value=0.0)
@@ -85,7 +101,8 @@ class _TargetLogprob(torch.autograd.Function):
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, input_ids: torch.Tensor,
-                           completion_mask: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+                           completion_mask: torch.Tensor, chunk: int = 256,
+                           temperature: float | None = None) -> torch.Tensor:
     """:func:`token_logprobs` of ``logits = hidden @ lm_head_weight.T`` without ever holding
     the ``[B, T, V]`` logits: only positions whose next token is a completion token are
     scored, ``chunk`` of them at a time, each keeping its target logit and its logsumexp
@@ -96,12 +113,15 @@ def chunked_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, i
     token t+1), lm_head_weight ``[V, H]`` (an lm_head without bias or logit soft-capping),
     input_ids ``[B, T]``, completion_mask ``[B, T]``. Returns ``[B, T]`` float32, the same
     values (and gradients w.r.t. ``hidden`` and the weight) as ``token_logprobs`` up to float
-    rounding. Raises ValueError for ``chunk`` < 1.
+    rounding. With ``temperature``, the log-probs of :func:`token_logprobs` at that
+    temperature: the scored hidden states are divided by it (``(h / T) W^T = (h W^T) / T``).
+    Raises ValueError for ``chunk`` < 1 or a temperature that is not > 0.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     scored = completion_mask[:, 1:] > 0  # [B, T-1]: positions t-1 that predict a completion token t
-    logp = _TargetLogprob.apply(hidden[:, :-1][scored], lm_head_weight, input_ids[:, 1:][scored], chunk)
+    logp = _TargetLogprob.apply(tempered(hidden[:, :-1][scored], temperature), lm_head_weight,
+                                input_ids[:, 1:][scored], chunk)
     out = torch.zeros(scored.shape, dtype=torch.float32, device=hidden.device).masked_scatter(scored, logp)
     return F.pad(out, (1, 0), value=0.0) * completion_mask
 
