@@ -379,7 +379,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
     ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them.
     ``rollout_temperature`` (``SPANRL_ROLLOUT_TEMPERATURE``): the temperature every call of a
-    training or production route is sampled at (:func:`untrainable_sampling` refusals: 400
+    training or production route is sampled at, with :data:`NEUTRAL_SAMPLING` for the fields
+    the call leaves unset (:func:`untrainable_sampling` refusals: 400
     ``untrainable_sampling``), once vLLM is known to return processed log-probs
     (:func:`logprobs_mode_problem`; else 503 ``vllm_logprobs_mode``); None: the client's own."""
     metrics: Counter[str] = Counter()
@@ -480,7 +481,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                     raise BadRequest(400, "untrainable_sampling", problem)
                 if body.get("temperature") != rollout_temperature:
                     metrics["rollout_temperature_set"] += 1
-                body["temperature"] = rollout_temperature
+                body = {**body, **{k: v for k, v in NEUTRAL_SAMPLING.items() if body.get(k) is None},
+                        "temperature": rollout_temperature}
             check_n(body)
             streamed = check_stream(body)
         except BadRequest as exc:
@@ -741,6 +743,12 @@ def client_routes(apis: tuple[ClientApi, ...] = CLIENT_APIS) -> list[tuple[str, 
 SAMPLING_DISTORTIONS = {"top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
                         "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
                         "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": ([],)}
+#: what a training call at the rollout temperature sends for the fields vLLM would otherwise
+#: take from the model directory's generation_config.json (its priority: request, then the
+#: model's defaults, then these values: ``ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS``,
+#: vLLM 0.32), so a model's own top_k / top_p defaults cannot truncate what is trained on
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0}
 
 
 def untrainable_sampling(body: dict) -> str | None:

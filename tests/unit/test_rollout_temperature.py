@@ -22,7 +22,7 @@ from test_learning import rollout, tiny_model  # noqa: E402
 
 from spanrl.core.settings import PROCESSED_LOGPROBS, Settings  # noqa: E402
 from spanrl.infra.stack import vllm_args  # noqa: E402
-from spanrl.producers.proxy import logprobs_mode_problem, untrainable_sampling  # noqa: E402
+from spanrl.producers.proxy import NEUTRAL_SAMPLING, logprobs_mode_problem, untrainable_sampling  # noqa: E402
 from spanrl.trainer import losses  # noqa: E402
 from spanrl.trainer.train import build_engine, train_update  # noqa: E402
 
@@ -109,6 +109,11 @@ def test_the_proxy_sets_the_training_temperature_once_vllm_is_in_processed_mode(
     assert (top_p.status_code, top_p.json()["error"]["type"]) == (400, "untrainable_sampling")
     if mode == PROCESSED_LOGPROBS:
         assert [b["temperature"] for b in seen] == [0.6, 0.0]
+        # the model's generation_config.json cannot fill in a truncation; evaluation calls are left as sent
+        assert {k: seen[0][k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING == {
+            "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0}
+        assert not set(NEUTRAL_SAMPLING) & set(seen[1])
         assert m["rollout_temperature_set"] == 1
     else:
         assert (train.status_code, train.json()["error"]["type"]) == (503, "vllm_logprobs_mode")
