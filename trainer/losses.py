@@ -34,8 +34,9 @@ def tempered(x: torch.Tensor, temperature: float | None) -> torch.Tensor:
     distribution a call sampled at ``temperature`` was drawn from, ``softmax(logits / T)``
     (vLLM's sampler divides the logits by the request's temperature before sampling,
     vllm/v1/sample/sampler.py ``apply_temperature``; verl's actor divides its logits by the
-    rollout temperature before its log-probs likewise). ``temperature`` None or 1: ``x``
-    itself (the same tensor). Raises ValueError for a temperature that is not > 0."""
+    rollout temperature before its log-probs likewise, verl/workers/actor/dp_actor.py).
+    ``temperature`` None or 1: ``x`` itself (the same tensor). Raises ValueError for a
+    temperature that is not > 0."""
     if temperature is None or temperature == 1:
         return x
     if not temperature > 0:
