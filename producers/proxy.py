@@ -94,7 +94,7 @@ PLAIN_COUNTERS = {
     "policy_version_updates": "policy versions posted by the reloader",
     "policy_unsynced_posts": "policy_unsynced notices posted by the reloader",
     "dead_letter_unwritten": "dead letters of interrupted streams Kafka did not take",
-    "rollout_temperature_set": "training calls whose temperature the proxy set to SPANRL_ROLLOUT_TEMPERATURE",
+    "rollout_temperature_set": "training calls forwarded with SPANRL_ROLLOUT_TEMPERATURE instead of the client's",
 }
 
 
@@ -393,7 +393,23 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     policy = PolicyState(policy_version)
     train_topics: Topics = sink.topics
     eval_topics = eval_topics or Topics.evaluation()
-    vllm_mode: dict[str, str] = {}  # "checked": vLLM's logprobs mode, once it was the processed one
+    vllm_mode = {"processed": False, "lock": asyncio.Lock()}  # vLLM's logprobs mode, checked once per vLLM
+
+    async def check_vllm_mode() -> str | None:
+        """:func:`logprobs_mode_problem` of vLLM's ``/server_info``, asked once (one request
+        at a time) until vLLM says ``processed_logprobs``, and again after vLLM was lost (it
+        may come back with other arguments). Raises httpx.TransportError."""
+        async with vllm_mode["lock"]:
+            if vllm_mode["processed"]:
+                return None
+            info = await app.state.client.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+            try:
+                answer = info.json() if info.status_code == 200 else None
+            except ValueError:
+                answer = None
+            problem = logprobs_mode_problem(info.status_code, answer)
+            vllm_mode["processed"] = problem is None
+            return problem
 
     async def follow_reloader(client: httpx.AsyncClient) -> None:
         while True:
@@ -458,6 +474,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
+        temperature_changed = False
         try:
             ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
@@ -479,8 +496,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             elif topics is not eval_topics and rollout_temperature is not None:
                 if (problem := untrainable_sampling(body)) is not None:
                     raise BadRequest(400, "untrainable_sampling", problem)
-                if body.get("temperature") != rollout_temperature:
-                    metrics["rollout_temperature_set"] += 1
+                temperature_changed = body.get("temperature") != rollout_temperature
                 body = {**body, **{k: v for k, v in NEUTRAL_SAMPLING.items() if body.get(k) is None},
                         "temperature": rollout_temperature}
             check_n(body)
@@ -492,20 +508,15 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if not policy.synced:  # error() counts the reason
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
-        if topics is not eval_topics and rollout_temperature is not None and "checked" not in vllm_mode:
+        if topics is not eval_topics and rollout_temperature is not None:
             try:
-                info = await app.state.client.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+                problem = await check_vllm_mode()
             except httpx.TransportError as exc:
                 return vllm_unavailable(exc)
-            try:
-                answer = info.json() if info.status_code == 200 else None
-            except ValueError:
-                answer = None
-            problem = logprobs_mode_problem(info.status_code, answer)
             if problem is not None:
                 return error(503, "vllm_logprobs_mode", f"SPANRL_ROLLOUT_TEMPERATURE={rollout_temperature} needs "
                              f"vLLM's processed log-probs: {problem}")
-            vllm_mode["checked"] = PROCESSED_LOGPROBS
+            metrics["rollout_temperature_set"] += temperature_changed
         ctx = CallContext(api.endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
                           parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api.span_api,
                           attributes)
@@ -531,6 +542,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         return JSONResponse(api.answer(client_body, body, response))
 
     def vllm_unavailable(exc: httpx.TransportError) -> Response:
+        if vllm_lost(exc):  # a vLLM that comes back may have other arguments
+            vllm_mode["processed"] = False
         if vllm_lost(exc) and policy.vllm_unreachable():
             log.warning("vLLM unreachable (%r): policy version unsynced until the reloader posts one", exc)
         return error(503, "vllm_unavailable", f"vLLM at {vllm_url} unreachable: {exc!r}",
@@ -739,16 +752,17 @@ def client_routes(apis: tuple[ClientApi, ...] = CLIENT_APIS) -> list[tuple[str, 
 
 
 #: the request fields that truncate or bias vLLM's sampling distribution, and their neutral
-#: values (vLLM 0.32 ``SamplingParams``; for ``top_k`` both 0 and -1 mean all tokens)
-SAMPLING_DISTORTIONS = {"top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
-                        "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "logit_bias": ({},),
+#: values, the first being what the proxy sends (vLLM 0.32 ``SamplingParams``; for ``top_k`` both
+#: 0 and -1 mean all tokens)
+SAMPLING_DISTORTIONS = {"top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+                        "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
                         "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": ([],)}
 #: what a training call at the rollout temperature sends for the fields vLLM would otherwise
 #: take from the model directory's generation_config.json (its priority: request, then the
-#: model's defaults, then these values: ``ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS``,
-#: vLLM 0.32), so a model's own top_k / top_p defaults cannot truncate what is trained on
-NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "repetition_penalty": 1.0}
+#: model's defaults, then its own: ``ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS``, vLLM
+#: 0.32), so a model's own top_k / top_p defaults cannot truncate what is trained on
+NEUTRAL_SAMPLING = {k: SAMPLING_DISTORTIONS[k][0] for k in ("top_p", "top_k", "min_p", "presence_penalty",
+                                                             "frequency_penalty", "repetition_penalty")}
 
 
 def untrainable_sampling(body: dict) -> str | None:
@@ -759,13 +773,18 @@ def untrainable_sampling(body: dict) -> str | None:
     top-p / top-k / min-p truncation, penalties, logit bias and banned tokens. The trainer
     divides its logits by the temperature only, so a call that set any of
     :data:`SAMPLING_DISTORTIONS` to a non-neutral value would give an importance ratio of two
-    different distributions. Example: ``{"top_p": 0.9, "top_k": -1}`` -> ``"top_p=0.9: ..."``."""
+    different distributions. Not refused: constrained decoding (``response_format``,
+    structured outputs, ``tool_choice`` required or named, as the RAG agent's forced search),
+    whose grammar mask vLLM applies to the logits before sampling in either logprobs mode;
+    the trainer does not mask, with or without the setting.
+    Example: ``{"top_p": 0.9, "top_k": -1}`` -> ``"top_p=0.9: ..."``."""
     bad = [f"{key}={json.dumps(body[key])}" for key, neutral in SAMPLING_DISTORTIONS.items()
            if body.get(key) is not None and body[key] not in neutral]
     if not bad:
         return None
-    return (f"{', '.join(bad)}: with SPANRL_ROLLOUT_TEMPERATURE set, training calls sample the whole softmax "
-            "at that temperature (the trainer scores nothing else); leave these out of training calls")
+    return (f"{', '.join(bad)}: with SPANRL_ROLLOUT_TEMPERATURE set, training calls sample the softmax at "
+            "that temperature untruncated (the trainer scores no truncation or bias); leave these out of "
+            "training calls")
 
 
 def logprobs_mode_problem(status: int, server_info: dict | None) -> str | None:

@@ -251,7 +251,8 @@ class Settings(Section):
     rollout_temperature: float | None = setting(
         None, "the sampling temperature of every training call: the proxy sets it on each call of a training or "
         "production route (an evaluation route keeps its own) and refuses one that also truncates or biases the "
-        "distribution (`top_p`, `top_k`, `min_p`, penalties, `logit_bias`: 400 `untrainable_sampling`); vLLM "
+        "distribution (`top_p`, `top_k`, `min_p`, penalties, `logit_bias`, `min_tokens`, `bad_words`, "
+        "`allowed_token_ids`: 400 `untrainable_sampling`); vLLM "
         "returns the log-probs of the distribution it sampled from (`--logprobs-mode processed_logprobs`) and the "
         "trainer divides its logits by the same temperature, for the policy and the reference (trainer/losses.py "
         "`tempered`), so the importance ratio compares like with like. A replay must use the run's value. "

@@ -47,8 +47,8 @@ def test_untrainable_sampling_names_what_the_trainer_cannot_score():
                                  "repetition_penalty": 1, "presence_penalty": 0.0, "min_tokens": 0}) is None
     assert untrainable_sampling({"top_p": 0.9, "top_k": 0, "frequency_penalty": 0.5, "logit_bias": {"7": -100}}) == (
         'top_p=0.9, frequency_penalty=0.5, logit_bias={"7": -100}: with SPANRL_ROLLOUT_TEMPERATURE set, training '
-        "calls sample the whole softmax at that temperature (the trainer scores nothing else); leave these out of "
-        "training calls")
+        "calls sample the softmax at that temperature untruncated (the trainer scores no truncation or bias); leave "
+        "these out of training calls")
     assert untrainable_sampling({"top_k": 20}).startswith("top_k=20: ")
 
 
@@ -71,6 +71,7 @@ def _fake_vllm(mode: str, seen: list[dict]) -> FastAPI:
     @app.get("/server_info")
     async def server_info(config_format: str = "text"):
         assert config_format == "json"
+        seen.append({"server_info": config_format})
         return {"vllm_config": {"model_config": {"logprobs_mode": mode}}}
 
     @app.post("/v1/chat/completions")
@@ -86,10 +87,11 @@ def _fake_vllm(mode: str, seen: list[dict]) -> FastAPI:
 
 @pytest.mark.parametrize("mode", [PROCESSED_LOGPROBS, "raw_logprobs"])
 def test_the_proxy_sets_the_training_temperature_once_vllm_is_in_processed_mode(mode):
-    """Training calls get the rollout temperature (counted when it changes the client's) or a
-    400 naming what the trainer cannot score; before the first one is forwarded vLLM's mode is
-    checked (raw: 503 ``vllm_logprobs_mode``, nothing forwarded); evaluation routes keep their
-    own temperature. Kafka is unreachable, so a forwarded call ends in 503 after vLLM."""
+    """Training calls (chat, and the Responses API through chat) get the rollout temperature
+    and neutral truncation fields, or a 400 naming what the trainer cannot score; vLLM's mode
+    is read once (raw: 503 ``vllm_logprobs_mode`` and asked again, nothing forwarded);
+    evaluation routes keep their own temperature. Kafka is unreachable, so a forwarded call
+    ends in 503 after vLLM answered."""
     from fastapi.testclient import TestClient
 
     from spanrl.producers.kafka import Sink, Topics
@@ -99,27 +101,37 @@ def test_the_proxy_sets_the_training_temperature_once_vllm_is_in_processed_mode(
                      rollout_temperature=0.6)
     seen: list[dict] = []
     chat = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    train_url = "/rollouts/r/attempts/0/v1"
     with TestClient(app) as client:
         app.state.client = httpx.AsyncClient(transport=httpx.ASGITransport(_fake_vllm(mode, seen)),
                                              base_url="http://vllm")
-        top_p = client.post("/rollouts/r/attempts/0/v1/chat/completions", json={**chat, "top_p": 0.5})
-        train = client.post("/rollouts/r/attempts/0/v1/chat/completions", json={**chat, "temperature": 1.0})
+        top_p = client.post(f"{train_url}/chat/completions", json={**chat, "top_p": 0.5})
+        train = client.post(f"{train_url}/chat/completions", json={**chat, "temperature": 1.0})
+        same = client.post(f"{train_url}/chat/completions", json={**chat, "temperature": 0.6, "top_k": -1})
+        responses = client.post(f"{train_url}/responses", json={"model": "policy", "input": "x", "temperature": 0.2})
         evaluation = client.post("/eval/0.0/rollouts/r/attempts/0/v1/chat/completions", json=chat)
         m = client.get("/status").json()
     assert (top_p.status_code, top_p.json()["error"]["type"]) == (400, "untrainable_sampling")
+    assert evaluation.status_code == 503  # vLLM answered; Kafka did not take the span
+    infos = [b for b in seen if "server_info" in b]
+    calls = [b for b in seen if "server_info" not in b]
     if mode == PROCESSED_LOGPROBS:
-        assert [b["temperature"] for b in seen] == [0.6, 0.0]
+        assert len(infos) == 1  # read once
+        assert [c["temperature"] for c in calls] == [0.6, 0.6, 0.6, 0.0]
+        assert [r.status_code for r in (train, same, responses)] == [503, 503, 503]  # Kafka, after vLLM
         # the model's generation_config.json cannot fill in a truncation; evaluation calls are left as sent
-        assert {k: seen[0][k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING == {
+        assert {k: calls[0][k] for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING == {
             "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "repetition_penalty": 1.0}
-        assert not set(NEUTRAL_SAMPLING) & set(seen[1])
-        assert m["rollout_temperature_set"] == 1
+        assert calls[1]["top_k"] == -1 and not set(NEUTRAL_SAMPLING) & set(calls[3])
+        assert m["rollout_temperature_set"] == 2  # the chat call at 1.0 and the Responses call at 0.2
     else:
-        assert (train.status_code, train.json()["error"]["type"]) == (503, "vllm_logprobs_mode")
+        assert len(infos) == 3  # asked again by each training call
+        for r in (train, same, responses):
+            assert (r.status_code, r.json()["error"]["type"]) == (503, "vllm_logprobs_mode")
         assert "start it with --logprobs-mode processed_logprobs" in train.json()["error"]["message"]
-        assert [b["temperature"] for b in seen] == [0.0]  # only the evaluation call reached vLLM
-    assert evaluation.status_code == 503  # vLLM answered; Kafka did not take the span
+        assert [c["temperature"] for c in calls] == [0.0]  # only the evaluation call reached vLLM
+        assert m.get("rollout_temperature_set", 0) == 0
 
 
 def test_token_logprobs_at_a_temperature_tiny_logits():
@@ -139,17 +151,21 @@ def test_token_logprobs_at_a_temperature_tiny_logits():
 @pytest.mark.parametrize("logprob_chunk", [0, 256])
 def test_an_update_on_samples_drawn_at_a_temperature_is_on_policy_only_at_it(logprob_chunk):
     """Completions sampled at T = 0.5 with their tempered behaviour log-probs: the trainer's
-    first step sees an importance ratio of 1 (approx KL ~0, nothing clipped) when it scores at
-    0.5, and a different distribution when it scores the raw logits (the mismatch vLLM's
+    first step sees an importance ratio of 1 (approx KL ~0, nothing clipped) and a reference
+    KL of 0 when it scores policy and reference at 0.5, and a different distribution when it
+    scores the raw logits (the mismatch vLLM's
     default raw log-probs would give at a temperature other than 1)."""
     gen = torch.Generator().manual_seed(11)
     base = tiny_model(11)
     samples, _ = rollout(base, gen, 0, temperature=0.5)
 
+    ref = copy.deepcopy(base).eval().requires_grad_(False)  # the reference is scored at the same temperature
+
     def update(temperature):
         engine = build_engine(copy.deepcopy(base), lr=1e-3, micro_batch=64)
-        return train_update(engine, samples, micro_batch=64, logprob_chunk=logprob_chunk, temperature=temperature)
+        return train_update(engine, samples, micro_batch=64, logprob_chunk=logprob_chunk, temperature=temperature,
+                            ref_model=ref, kl_coef=0.1)
 
     matched, unmatched = update(0.5), update(None)
-    assert abs(matched["approx_kl"]) < 1e-6 and matched["clip_frac"] == 0.0
+    assert abs(matched["approx_kl"]) < 1e-6 and matched["clip_frac"] == 0.0 and abs(matched["ref_kl"]) < 1e-6
     assert unmatched["approx_kl"] > 100 * max(abs(matched["approx_kl"]), 1e-8) and unmatched["clip_frac"] > 0.1
