@@ -10,8 +10,10 @@ again, so vLLM goes back to what the training run serves. The report is computed
 what the evaluation topics hold (final rewards and their components, LLM calls per
 episode) plus the agent's own episode dict where it has one (``tool_calls``).
 
-Per policy: mean reward (bootstrap 95% interval), the rate of each reward component
-(Wilson), success = component ``correct``, format, tool use, mean LLM calls per episode;
+Per policy: mean reward (bootstrap 95% interval); per reward component its rate, the share of
+episodes where it is > 0 (Wilson), and its mean (bootstrap) — the same number for a 0/1 component,
+not for a graded one such as word F1; success = component ``correct``, format, tool use, mean LLM
+calls per episode;
 between two policies on the same tasks: paired differences of reward and success with
 paired-bootstrap intervals (``spanrl/core/intervals.py``). JSON + PNG.
 """
@@ -109,12 +111,15 @@ def policy_report(episodes: list[Episode], success: str = SUCCESS_COMPONENT, fmt
     names = sorted({k for e in episodes for k in e.components})
     rates = {k: intervals.wilson_interval(sum(1 for e in episodes if e.components.get(k, 0.0) > 0), n).as_dict()
              for k in names}
+    means = {k: intervals.bootstrap_mean_interval([e.components.get(k, 0.0) for e in episodes], seed=seed).as_dict()
+             for k in names}
     out = {
         "episodes": n,
         "tasks": len({e.task_id for e in episodes}),
         "failed_attempts": sum(1 for e in episodes if e.status != "succeeded"),
         "mean_reward": intervals.bootstrap_mean_interval(rewards, seed=seed).as_dict(),
         "component_rates": rates,
+        "component_means": means,
         "success_rate": rates.get(success),
         "format_rate": rates.get(fmt),
         "mean_llm_calls": intervals.bootstrap_mean_interval([e.llm_calls for e in episodes], seed=seed).as_dict(),

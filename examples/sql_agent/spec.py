@@ -20,7 +20,8 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: tasks). Held-out greedy execution accuracy (LEARNING.md, issue 19): with 4 tasks (20; 9 of their
 #: groups had reward variance in session 34) 0.455 -> 0.510, 0.490, 0.485 in three runs (+0.055
 #: [+0.020, +0.095], +0.035 [0.000, +0.070], +0.030 [-0.005, +0.065]; the same 9 tasks up, 3 down);
-#: with 8, 0.455 -> 0.520, +0.065 [+0.025, +0.105] (session 35, one run, 151 min on 2 cores).
+#: with 8, 0.455 -> 0.520, +0.065 [+0.025, +0.105] (session 35, 151 min on 2 cores) and with
+#: SPANRL_SEED=1 0.455 -> 0.495, +0.040 [+0.005, +0.075] (session 37).
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {**QWEN05B_LORA_DEMO,
                                         "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8}}}
 
