@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,7 +107,7 @@ def _start_vllm(s, rank: int, port: int, log_path: Path) -> subprocess.Popen:
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "spanrl.infra.vllm_server", *args], cwd=REPO, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 600) -> float:
@@ -197,12 +199,12 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
         asyncio.run(reload_vllm(url, merged))
         out["reload_s"] = round(time.perf_counter() - t, 3)
         out["decode_merged"], merged_calls = _decode(url, s.model_name, max_tokens, n_prompts)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    finally:  # the process group: vLLM's engine and worker processes too
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait_s)
     out["same_greedy_tokens"] = [a["token_ids"] == b["token_ids"] for a, b in zip(lora_calls, merged_calls)]
     out["max_logprob_gap_vs_peft"] = {"lora": _peft_gap(s, spec, adapter_dir, lora_calls),
                                       "merged": _peft_gap(s, spec, adapter_dir, merged_calls)}
