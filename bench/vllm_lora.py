@@ -21,6 +21,8 @@ on a free port; then, in this order:
   agreement        each path's greedy log-probs against peft's in-process forward of the same
                    tokens (the adapter applied by peft, independent of vLLM and of our merge)
 
+Where vLLM refuses ``--enable-lora`` or the adapter (the CPU build may lack a kernel), the JSON
+has ``lora_error`` with vLLM's reason (and, where vLLM started, the merged path's figures).
 Decode figures: output tokens per second of the sequential requests, and the ratios lora / merged
 and lora / base. Writes one JSON line (stdout, and ``--out``). CPU: ~10 min for the 0.5B model on 2
 cores (vLLM start ~2 min); run it with nothing else on the machine, the stack down or idle (its vLLM
@@ -173,49 +175,89 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
     from spanrl.trainer.reloader import reload_vllm
     from bench.run import free_port
 
+    from rich.console import Console
+
+    console = Console(stderr=True)  # progress on stderr (also into a log); the result line on stdout
     s = get_settings()
     tmp = Path(tempfile.mkdtemp(prefix="spanrl-bench-vllm-lora-"))
     adapter_dir = tmp / "adapter"
-    spec = _adapter(s, rank, b_std, adapter_dir)
+    with console.status(f"writing a rank-{rank} adapter of {s.model}"):
+        spec = _adapter(s, rank, b_std, adapter_dir)
+    console.log(f"adapter written: {adapter_dir}")
     port = free_port()
     url = f"http://{s.host}:{port}"
     log_path = tmp / "vllm.log"
     proc = _start_vllm(s, rank, port, log_path)
     out: dict = {"model": s.model, "adapter": spec, "b_std": b_std, "prompts": n_prompts, "max_tokens": max_tokens,
                  "vllm_log": str(log_path)}
+    lora_calls: list[dict] = []
+    merged_calls: list[dict] = []
     try:
-        out["vllm_start_s"] = round(_wait_healthy(url, proc, log_path), 2)
-        out["decode_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
-        t = time.perf_counter()
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bench-adapter",
-                                                               "lora_path": str(adapter_dir)}, timeout=600)
-        out["lora_load_s"] = round(time.perf_counter() - t, 3)
-        r.raise_for_status()
-        out["decode_lora"], lora_calls = _decode(url, "bench-adapter", max_tokens, n_prompts)
-        t = time.perf_counter()
-        merged = lora.merge_adapter_dir(s.model_dir, adapter_dir, tmp / "merged")
-        out["merge_s"] = round(time.perf_counter() - t, 3)
-        t = time.perf_counter()
-        asyncio.run(reload_vllm(url, merged))
-        out["reload_s"] = round(time.perf_counter() - t, 3)
-        out["decode_merged"], merged_calls = _decode(url, s.model_name, max_tokens, n_prompts)
+        with console.status(f"starting vLLM with --enable-lora on port {port} (log {log_path})"):
+            try:
+                out["vllm_start_s"] = round(_wait_healthy(url, proc, log_path), 2)
+            except RuntimeError as e:  # vLLM refused --enable-lora: that is the result
+                out["lora_error"] = f"{e}: {_log_tail(log_path)}"
+                console.log(f"[red]{out['lora_error']}")
+                return out
+        console.log(f"vLLM healthy after {out['vllm_start_s']} s")
+        with console.status("decode, base"):
+            out["decode_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
+        console.log(f"decode, base: {out['decode_base']}")
+        try:
+            t = time.perf_counter()
+            r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bench-adapter",
+                                                                   "lora_path": str(adapter_dir)}, timeout=600)
+            out["lora_load_s"] = round(time.perf_counter() - t, 3)
+            r.raise_for_status()
+            console.log(f"load_lora_adapter: {out['lora_load_s']} s")
+            with console.status("decode, adapter (vLLM's LoRA)"):
+                out["decode_lora"], lora_calls = _decode(url, "bench-adapter", max_tokens, n_prompts)
+            console.log(f"decode, adapter: {out['decode_lora']}")
+        except httpx.HTTPError as e:  # the adapter path failed; the merged path is still measured
+            body = e.response.text[:2000] if isinstance(e, httpx.HTTPStatusError) else ""
+            out["lora_error"] = f"{type(e).__name__}: {e} {body}".strip()
+            console.log(f"[red]vLLM's LoRA path failed: {out['lora_error']}")
+        with console.status("merging the adapter into a copy of the base"):
+            t = time.perf_counter()
+            merged = lora.merge_adapter_dir(s.model_dir, adapter_dir, tmp / "merged")
+            out["merge_s"] = round(time.perf_counter() - t, 3)
+        with console.status("reloading vLLM with the merged weights"):
+            t = time.perf_counter()
+            asyncio.run(reload_vllm(url, merged))
+            out["reload_s"] = round(time.perf_counter() - t, 3)
+        console.log(f"merge {out['merge_s']} s, reload {out['reload_s']} s")
+        with console.status("decode, merged"):
+            out["decode_merged"], merged_calls = _decode(url, s.model_name, max_tokens, n_prompts)
+        console.log(f"decode, merged: {out['decode_merged']}")
     finally:  # the process group: vLLM's engine and worker processes too
         for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(wait_s)
-    out["same_greedy_tokens"] = [a["token_ids"] == b["token_ids"] for a, b in zip(lora_calls, merged_calls)]
-    out["max_logprob_gap_vs_peft"] = {"lora": _peft_gap(s, spec, adapter_dir, lora_calls),
-                                      "merged": _peft_gap(s, spec, adapter_dir, merged_calls)}
+    with console.status("peft's log-probs of the same tokens"):
+        out["max_logprob_gap_vs_peft"] = {"merged": _peft_gap(s, spec, adapter_dir, merged_calls)}
+        if lora_calls:
+            out["max_logprob_gap_vs_peft"]["lora"] = _peft_gap(s, spec, adapter_dir, lora_calls)
     shutil.rmtree(tmp, ignore_errors=True)  # the merged copy is a whole model
-    out["ratios"] = {"lora_over_merged_tokens_per_s": round(out["decode_lora"]["tokens_per_s"]
-                                                            / out["decode_merged"]["tokens_per_s"], 3),
-                     "lora_over_base_tokens_per_s": round(out["decode_lora"]["tokens_per_s"]
-                                                          / out["decode_base"]["tokens_per_s"], 3),
-                     "lora_load_over_merge_plus_reload": round(out["lora_load_s"]
-                                                               / (out["merge_s"] + out["reload_s"]), 3)}
+    if lora_calls:
+        out["same_greedy_tokens"] = [a["token_ids"] == b["token_ids"] for a, b in zip(lora_calls, merged_calls)]
+        out["ratios"] = {"lora_over_merged_tokens_per_s": round(out["decode_lora"]["tokens_per_s"]
+                                                                / out["decode_merged"]["tokens_per_s"], 3),
+                         "lora_over_base_tokens_per_s": round(out["decode_lora"]["tokens_per_s"]
+                                                              / out["decode_base"]["tokens_per_s"], 3),
+                         "lora_load_over_merge_plus_reload": round(out["lora_load_s"]
+                                                                   / (out["merge_s"] + out["reload_s"]), 3)}
     return out
+
+
+def _log_tail(path: Path, chars: int = 2000) -> str:
+    """The last ``chars`` characters of a log file ('' when it cannot be read)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
 
 
 def main(argv=None) -> None:
