@@ -52,7 +52,7 @@ bench-rate: bootstrap
 	$(PY) -m bench.run --mode rate --spans-per-s 1000 --duration-s 300 --batch-rollouts 8 $(ARGS)
 
 ## vLLM's own LoRA serving (--enable-lora, load_lora_adapter) against merged weights + reload, on one
-## vLLM of MODEL's base, side by side (bench/vllm_lora.py); ~10 min for MODEL=qwen2.5-coder-0.5b on
+## vLLM of MODEL's base, side by side (bench/vllm_lora.py); ~13 min for MODEL=qwen2.5-coder-0.5b on
 ## 2 cores, nothing else running. Writes bench/results/vllm-lora.json.
 bench-vllm-lora: bootstrap
 	$(PY) -m bench.vllm_lora --out bench/results/vllm-lora.json $(ARGS)

@@ -18,15 +18,18 @@ on a free port; then, in this order:
   merge_s          ``lora.merge_adapter_dir`` (W + alpha / r B A into a copy of the base's files)
   reload_s         ``reloader.reload_vllm`` of the merged weights into the same vLLM
   decode, merged   the same prompts under the base name (now the merged weights)
+  decode, plain    a second vLLM with the stack's arguments alone (no ``--enable-lora``: a
+                   LoRA-enabled engine may pay for its LoRA slots on every request), the same
+                   prompts: the speed at which the stack serves merged weights
   agreement        each path's greedy log-probs against peft's in-process forward of the same
                    tokens (the adapter applied by peft, independent of vLLM and of our merge)
 
 Where vLLM refuses ``--enable-lora`` or the adapter (the CPU build may lack a kernel), the JSON
 has ``lora_error`` with vLLM's reason (and, where vLLM started, the merged path's figures).
-Decode figures: output tokens per second of the sequential requests, and the ratios lora / merged
-and lora / base. Writes one JSON line (stdout, and ``--out``). CPU: ~10 min for the 0.5B model on 2
-cores (vLLM start ~2 min); run it with nothing else on the machine, the stack down or idle (its vLLM
-keeps its memory).
+Decode figures: output tokens per second of the sequential requests, and the ratios lora /
+merged, lora / base and lora / plain. Writes one JSON line (stdout, and ``--out``). CPU: ~13 min
+for the 0.5B model on 2 cores (each vLLM start ~2 min); run it with nothing else on the machine,
+the stack down or idle (its vLLM keeps its memory).
 """
 from __future__ import annotations
 
@@ -99,11 +102,13 @@ def _adapter(s, rank: int, b_std: float, out_dir: Path) -> dict:
     return spec
 
 
-def _start_vllm(s, rank: int, port: int, log_path: Path) -> subprocess.Popen:
+def _start_vllm(s, rank: int | None, port: int, log_path: Path) -> subprocess.Popen:
+    """vLLM as the stack starts it on ``port``, plus LoRA serving up to ``rank`` (None: the
+    stack's arguments alone), in its own process group (:func:`_stop_vllm`)."""
     from spanrl.core.settings import StackSettings
     from spanrl.infra.stack import vllm_args
 
-    args = vllm_args(s.model_copy(update={"vllm_port": port})) + lora_serving_args(rank)
+    args = vllm_args(s.model_copy(update={"vllm_port": port})) + (lora_serving_args(rank) if rank else [])
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "OMP_NUM_THREADS": StackSettings().vllm_threads,
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
@@ -230,12 +235,22 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
         with console.status("decode, merged"):
             out["decode_merged"], merged_calls = _decode(url, s.model_name, max_tokens, n_prompts)
         console.log(f"decode, merged: {out['decode_merged']}")
-    finally:  # the process group: vLLM's engine and worker processes too
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(wait_s)
+    finally:
+        _stop_vllm(proc)
+    # the stack's own vLLM (no --enable-lora) serves merged weights at the base's speed: its decode
+    # of the same prompts is what serving through vLLM's LoRA is compared with
+    plain_log = tmp / "vllm-plain.log"
+    port = free_port()
+    url = f"http://{s.host}:{port}"
+    plain = _start_vllm(s, None, port, plain_log)
+    try:
+        with console.status(f"starting a plain vLLM (the stack's arguments) on port {port} (log {plain_log})"):
+            out["plain_vllm_start_s"] = round(_wait_healthy(url, plain, plain_log), 2)
+        with console.status("decode, base, plain vLLM"):
+            out["decode_plain_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
+        console.log(f"decode, base, plain vLLM: {out['decode_plain_base']}")
+    finally:
+        _stop_vllm(plain)
     with console.status("peft's log-probs of the same tokens"):
         out["max_logprob_gap_vs_peft"] = {"merged": _peft_gap(s, spec, adapter_dir, merged_calls)}
         if lora_calls:
@@ -247,9 +262,20 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
                                                                 / out["decode_merged"]["tokens_per_s"], 3),
                          "lora_over_base_tokens_per_s": round(out["decode_lora"]["tokens_per_s"]
                                                               / out["decode_base"]["tokens_per_s"], 3),
+                         "lora_over_plain_vllm_tokens_per_s": round(out["decode_lora"]["tokens_per_s"]
+                                                                    / out["decode_plain_base"]["tokens_per_s"], 3),
                          "lora_load_over_merge_plus_reload": round(out["lora_load_s"]
                                                                    / (out["merge_s"] + out["reload_s"]), 3)}
     return out
+
+
+def _stop_vllm(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to vLLM's process group: its engine and worker processes too."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
 
 
 def _log_tail(path: Path, chars: int = 2000) -> str:
