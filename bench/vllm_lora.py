@@ -11,6 +11,7 @@ seeded (peft's own init, B = 0, would make the adapter a no-op), saved as the tr
 plus ``--enable-lora --max-lora-rank R --max-loras 1`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``,
 on a free port; then, in this order:
 
+  warm-up          the prompts once, not timed (a fresh vLLM's first requests are slower)
   decode, base     greedy chat completions of ``--prompts`` prompts, one at a time, the base name
   lora_load_s      ``POST /v1/load_lora_adapter`` of the adapter directory: what a reloader using
                    vLLM's LoRA would do per version instead of merging and reloading
@@ -18,7 +19,7 @@ on a free port; then, in this order:
   merge_s          ``lora.merge_adapter_dir`` (W + alpha / r B A into a copy of the base's files)
   reload_s         ``reloader.reload_vllm`` of the merged weights into the same vLLM
   decode, merged   the same prompts under the base name (now the merged weights)
-  decode, plain    a second vLLM with the stack's arguments alone (no ``--enable-lora``: a
+  decode, plain    (after its own warm-up) a second vLLM with the stack's arguments alone (no ``--enable-lora``: a
                    LoRA-enabled engine may pay for its LoRA slots on every request), the same
                    prompts: the speed at which the stack serves merged weights
   agreement        each path's greedy log-probs against peft's in-process forward of the same
@@ -206,6 +207,8 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
                 console.log(f"[red]{out['lora_error']}")
                 return out
         console.log(f"vLLM healthy after {out['vllm_start_s']} s")
+        with console.status("warm-up: the prompts once, not timed"):
+            _decode(url, s.model_name, max_tokens, n_prompts)
         with console.status("decode, base"):
             out["decode_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
         console.log(f"decode, base: {out['decode_base']}")
@@ -246,6 +249,8 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
     try:
         with console.status(f"starting a plain vLLM (the stack's arguments) on port {port} (log {plain_log})"):
             out["plain_vllm_start_s"] = round(_wait_healthy(url, plain, plain_log), 2)
+        with console.status("warm-up, plain vLLM: the prompts once, not timed"):
+            _decode(url, s.model_name, max_tokens, n_prompts)
         with console.status("decode, base, plain vLLM"):
             out["decode_plain_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
         console.log(f"decode, base, plain vLLM: {out['decode_plain_base']}")
