@@ -6,7 +6,7 @@ side by side in one invocation, on one vLLM (issue 19 item 2).
 
 For the model of ``SPANRL_MODEL``: a rank-R adapter with the trainer's settings (``lora_alpha``,
 ``lora_target_modules``; trainer/lora.py ``wrap``) whose ``lora_B`` is drawn N(0, ``--b-std``²),
-seeded (peft's own init, B = 0, would make the adapter a no-op), saved as the trainer saves one
+``lora_A`` by peft's init, both seeded (peft's own init, B = 0, would make the adapter a no-op), saved as the trainer saves one
 (``lora.save_adapter``). One vLLM is started as the stack starts it (infra/stack.py ``vllm_args``)
 plus ``--enable-lora --max-lora-rank R --max-loras 1`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``,
 on a free port; then, in this order:
@@ -92,6 +92,7 @@ def _adapter(s, rank: int, b_std: float, out_dir: Path) -> dict:
 
     t = TrainerConfig()
     spec = lora.lora_spec(rank, t.lora_alpha, t.lora_dropout, t.lora_target_modules)
+    torch.manual_seed(0)  # peft draws lora_A from torch's global generator
     peft_model = lora.wrap(load_model(s.model_dir), spec)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
