@@ -6,8 +6,8 @@ side by side in one invocation, on one vLLM (issue 19 item 2).
 
 For the model of ``SPANRL_MODEL``: a rank-R adapter with the trainer's settings (``lora_alpha``,
 ``lora_target_modules``; trainer/lora.py ``wrap``) whose ``lora_B`` is drawn N(0, ``--b-std``²),
-``lora_A`` by peft's init, both seeded (peft's own init, B = 0, would make the adapter a no-op), saved as the trainer saves one
-(``lora.save_adapter``). One vLLM is started as the stack starts it (infra/stack.py ``vllm_args``)
+``lora_A`` by peft's init, both seeded (peft's own init, B = 0, would make the adapter a no-op),
+saved as the trainer saves one (``lora.save_adapter``). One vLLM is started as the stack starts it (infra/stack.py ``vllm_args``)
 plus ``--enable-lora --max-lora-rank R --max-loras 1`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``,
 on a free port; then, in this order:
 
