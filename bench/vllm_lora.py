@@ -152,9 +152,10 @@ def _decode(url: str, model: str, max_tokens: int, n: int) -> tuple[dict, list[d
     return decode_summary(counts, seconds), calls
 
 
-def _peft_gap(s, spec: dict, adapter_dir: Path, calls: list[dict]) -> float:
-    """Largest |vLLM log-prob - peft log-prob| over the tokens of ``calls`` (the adapter loaded
-    into a fresh peft model; full logits, float32)."""
+def _peft_gaps(s, spec: dict, adapter_dir: Path, calls_by_path: dict[str, list[dict]]) -> dict[str, float]:
+    """Per path, the largest |vLLM log-prob - peft log-prob| over the tokens of its calls (the
+    adapter loaded once into a fresh peft model; full logits, float32); paths without calls are
+    left out."""
     import torch
 
     from spanrl.trainer import lora
@@ -163,16 +164,28 @@ def _peft_gap(s, spec: dict, adapter_dir: Path, calls: list[dict]) -> float:
     peft_model = lora.wrap(load_model(s.model_dir), spec)
     lora.load_adapter_weights(peft_model, adapter_dir)
     peft_model.eval()
-    gap = 0.0
+    gaps = {}
     with torch.no_grad():
-        for c in calls:
-            P, C = len(c["prompt_token_ids"]), len(c["token_ids"])
-            ids = torch.tensor([c["prompt_token_ids"] + c["token_ids"]])
-            mask = torch.zeros_like(ids, dtype=torch.float32)
-            mask[0, P:] = 1.0
-            ours = completion_logprobs(peft_model, ids, torch.ones_like(ids), mask, C + 1, 0)[0, 1:]
-            gap = max(gap, float((torch.tensor(c["logprobs"]) - ours).abs().max()))
-    return gap
+        for path, calls in calls_by_path.items():
+            for c in calls:
+                P, C = len(c["prompt_token_ids"]), len(c["token_ids"])
+                ids = torch.tensor([c["prompt_token_ids"] + c["token_ids"]])
+                mask = torch.zeros_like(ids, dtype=torch.float32)
+                mask[0, P:] = 1.0
+                ours = completion_logprobs(peft_model, ids, torch.ones_like(ids), mask, C + 1, 0)[0, 1:]
+                gaps[path] = max(gaps.get(path, 0.0), float((torch.tensor(c["logprobs"]) - ours).abs().max()))
+    return gaps
+
+
+def _warm_decode(url: str, model: str, max_tokens: int, n: int, console, label: str) -> dict:
+    """:func:`_decode` of the prompts once untimed (a fresh vLLM's first requests are slower),
+    then again, timed: the second pass's :func:`decode_summary`."""
+    with console.status(f"warm-up, {label}: the prompts once, not timed"):
+        _decode(url, model, max_tokens, n)
+    with console.status(f"decode, {label}"):
+        summary, _ = _decode(url, model, max_tokens, n)
+    console.log(f"decode, {label}: {summary}")
+    return summary
 
 
 def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
@@ -208,11 +221,7 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
                 console.log(f"[red]{out['lora_error']}")
                 return out
         console.log(f"vLLM healthy after {out['vllm_start_s']} s")
-        with console.status("warm-up: the prompts once, not timed"):
-            _decode(url, s.model_name, max_tokens, n_prompts)
-        with console.status("decode, base"):
-            out["decode_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
-        console.log(f"decode, base: {out['decode_base']}")
+        out["decode_base"] = _warm_decode(url, s.model_name, max_tokens, n_prompts, console, "base")
         try:
             t = time.perf_counter()
             r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bench-adapter",
@@ -250,17 +259,13 @@ def measure(rank: int, n_prompts: int, max_tokens: int, b_std: float) -> dict:
     try:
         with console.status(f"starting a plain vLLM (the stack's arguments) on port {port} (log {plain_log})"):
             out["plain_vllm_start_s"] = round(_wait_healthy(url, plain, plain_log), 2)
-        with console.status("warm-up, plain vLLM: the prompts once, not timed"):
-            _decode(url, s.model_name, max_tokens, n_prompts)
-        with console.status("decode, base, plain vLLM"):
-            out["decode_plain_base"], _ = _decode(url, s.model_name, max_tokens, n_prompts)
-        console.log(f"decode, base, plain vLLM: {out['decode_plain_base']}")
+        out["decode_plain_base"] = _warm_decode(url, s.model_name, max_tokens, n_prompts, console,
+                                                "base, plain vLLM")
     finally:
         _stop_vllm(plain)
     with console.status("peft's log-probs of the same tokens"):
-        out["max_logprob_gap_vs_peft"] = {"merged": _peft_gap(s, spec, adapter_dir, merged_calls)}
-        if lora_calls:
-            out["max_logprob_gap_vs_peft"]["lora"] = _peft_gap(s, spec, adapter_dir, lora_calls)
+        out["max_logprob_gap_vs_peft"] = _peft_gaps(s, spec, adapter_dir, {"merged": merged_calls,
+                                                                           "lora": lora_calls})
     shutil.rmtree(tmp, ignore_errors=True)  # the merged copy is a whole model
     if lora_calls:
         out["same_greedy_tokens"] = [a["token_ids"] == b["token_ids"] for a, b in zip(lora_calls, merged_calls)]
