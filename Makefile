@@ -9,7 +9,7 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate chaos soak
+.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate bench-vllm-lora chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -50,6 +50,12 @@ bench-sustained: bootstrap
 	$(PY) -m bench.run --mode sustained --rollouts 10000 --workers 2 --bridges 2 $(ARGS)
 bench-rate: bootstrap
 	$(PY) -m bench.run --mode rate --spans-per-s 1000 --duration-s 300 --batch-rollouts 8 $(ARGS)
+
+## vLLM's own LoRA serving (--enable-lora, load_lora_adapter) against merged weights + reload, on one
+## vLLM of MODEL's base, side by side (bench/vllm_lora.py); ~13 min for MODEL=qwen2.5-coder-0.5b on
+## 2 cores, nothing else running. Writes bench/results/vllm-lora.json.
+bench-vllm-lora: bootstrap
+	$(PY) -m bench.vllm_lora --out bench/results/vllm-lora.json $(ARGS)
 
 ## Soak (issue 21): the sustained workload at a fixed rate with the trainer consuming, >= 1 h by
 ## default (80 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in

@@ -403,9 +403,10 @@ def study(
     except (RuntimeError, StackError) as exc:
         console.print(f"[red]study failed[/red]: {exc}")
         raise typer.Exit(1)
-    for mode, blk in report["heldout"].items():
+    for (mode, blk), what in [(x, "correct") for x in report["heldout"].items()] + \
+            [(x, "mean reward") for x in report.get("heldout_reward", {}).items()]:
         p = blk["pooled_across_seeds"]
-        console.print(f"held-out {mode}: per seed " + ", ".join(
+        console.print(f"held-out {mode}, {what}: per seed " + ", ".join(
             f"{x['difference']['estimate']:+.3f} [{x['difference']['low']:+.3f}, {x['difference']['high']:+.3f}]"
             for x in blk["per_seed"]) + f"; pooled {pooled_text(p)}")
     fmt = lambda d: " / ".join(f"{d[k]:+.3f}" if k in d else "n/a" for k in ("positive", "negative"))  # noqa: E731

@@ -6,7 +6,9 @@ for each run seed (``SPANRL_SEED``: every rollout's sampling seed and the traine
 seed; producers/seeding.py), each on a fresh stack run, and reports per seed and pooled:
 
 - held-out correct rate, base and final, and the paired difference final - base with its
-  95% interval, greedy and sampled (``heldout-<mode>.json`` of each seed);
+  95% interval, greedy and sampled (``heldout-<mode>.json`` of each seed); the same for the
+  mean reward (``heldout_reward``: the measure of agents whose reward is graded, such as the RAG
+  agent's 0.9 × word F1 + 0.1 × format);
 - pooled over seeds: the Student-t interval of the per-seed differences (run-to-run spread,
   :func:`spanrl.core.intervals.t_interval`) and the paired bootstrap of the per-task
   differences averaged over seeds (:func:`spanrl.core.intervals.pooled_paired_difference`);
@@ -28,10 +30,16 @@ from spanrl.core.intervals import pooled_paired_difference, t_interval
 MODES = ("greedy", "sampled")
 
 
-def _correct(report: dict, policy: str) -> dict[str, float]:
-    """task id -> 1.0 if the policy's episode of it was correct (one episode per task)."""
-    return {e["task_id"]: 1.0 if e["components"].get("correct", 0) > 0 else 0.0
-            for e in report["policies"][policy]["per_episode"]}
+# metric -> (the evaluation report's paired key, the per-episode value it pairs)
+METRICS = {"correct": ("success_rate", lambda e: 1.0 if e["components"].get("correct", 0) > 0 else 0.0),
+           "reward": ("mean_reward", lambda e: float(e["reward"]))}
+
+
+def _per_task(report: dict, policy: str, metric: str = "correct") -> dict[str, float]:
+    """task id -> the policy's value of ``metric`` on its episode (one episode per task): 1.0 /
+    0.0 for ``correct``, the final reward for ``reward``."""
+    value = METRICS[metric][1]
+    return {e["task_id"]: value(e) for e in report["policies"][policy]["per_episode"]}
 
 
 def _final_name(report: dict) -> str | None:
@@ -39,23 +47,26 @@ def _final_name(report: dict) -> str | None:
     return names[-1] if names else None
 
 
-def paired_block(reports: list[dict]) -> dict:
-    """Per-seed and pooled paired differences (final - base) of the correct rate for one
-    evaluation (``reports[s]``: seed s's evaluation report with policies ``base`` and its
-    final checkpoint, the same tasks in every seed). A seed whose final policy is the base
-    (nothing was served) counts as a difference of 0 on every task."""
+def paired_block(reports: list[dict], metric: str = "correct") -> dict:
+    """Per-seed and pooled paired differences (final - base) of ``metric`` (``correct``: the
+    correct rate; ``reward``: the mean reward) for one evaluation (``reports[s]``: seed s's
+    evaluation report with policies ``base`` and its final checkpoint, the same tasks in every
+    seed). A seed whose final policy is the base (nothing was served) counts as a difference of
+    0 on every task. Raises ValueError for tasks that differ between seeds, KeyError for an
+    unknown metric."""
+    key = METRICS[metric][0]
     per_seed, a, b = [], [], []
     tasks = None
     for rep in reports:
-        base = _correct(rep, "base")
+        base = _per_task(rep, "base", metric)
         final_name = _final_name(rep)
-        final = _correct(rep, final_name) if final_name else base
+        final = _per_task(rep, final_name, metric) if final_name else base
         ids = sorted(base)
         if tasks is None:
             tasks = ids
         if ids != tasks or sorted(final) != tasks:
             raise ValueError("the seeds' evaluations are not on the same tasks")
-        pair = rep["paired"].get(f"{final_name} - base", {}).get("success_rate") if final_name else None
+        pair = rep["paired"].get(f"{final_name} - base", {}).get(key) if final_name else None
         per_seed.append({"base": sum(base.values()) / len(ids), "final": sum(final.values()) / len(ids),
                          "difference": pair or {"estimate": 0.0, "low": 0.0, "high": 0.0, "n": len(ids)},
                          "tasks": len(ids)})
@@ -97,6 +108,7 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
                      "trainer_settings": summaries[0].get("trainer_settings"),
                      "rollout_temperature": summaries[0].get("rollout_temperature")},
         "heldout": {m: paired_block([h[m] for h in heldout]) for m in modes},
+        "heldout_reward": {m: paired_block([h[m] for h in heldout], "reward") for m in modes},
         "ood": {m: paired_block([o[m] for o in ood]) for m in modes if ood and all(m in o for o in ood)},
         "per_seed": [],
     }
@@ -141,9 +153,10 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
 
 
 def plot_study(report: dict, path: Path) -> None:
-    """Left: every seed's training correct rate per iteration. Right: held-out paired
-    difference (final - base) of the correct rate per seed and pooled, greedy and sampled
-    (and out of distribution), with 95% intervals."""
+    """Left: every seed's training correct rate per iteration. Middle: KL per update. Right:
+    held-out paired difference (final - base) of the correct rate, and of the mean reward, per
+    seed and pooled, greedy and sampled (and of the correct rate out of distribution), with 95%
+    intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,6 +187,8 @@ def plot_study(report: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("training curves, every seed", fontsize=10)
     blocks = [(f"held-out {m}", report["heldout"][m]) for m in report["heldout"]] + \
+             [(f"held-out {m}\n(mean reward)", report["heldout_reward"][m])
+              for m in report.get("heldout_reward", {})] + \
              [(f"OOD {m}", report["ood"][m]) for m in report.get("ood", {})]
     labels = []
     for i, (name, blk) in enumerate(blocks):
@@ -192,7 +207,7 @@ def plot_study(report: dict, path: Path) -> None:
         labels.append(name)
     bx.axhline(0, color="grey", linewidth=1)
     bx.set_xticks(range(len(labels)), labels, fontsize=8)
-    bx.set_ylabel("correct rate, final - base (95% CI)")
+    bx.set_ylabel("correct rate (or mean reward), final - base (95% CI)")
     bx.grid(axis="y", alpha=0.3)
     bx.legend(fontsize=7)
     bx.set_title("held out and out of distribution, paired", fontsize=10)

@@ -126,6 +126,36 @@ def test_study_report_per_seed_and_pooled():
         study.study_report([0, 1], summaries, heldout, [])
 
 
+def _graded(base: list[float], final: list[float], low: float) -> dict:
+    """An evaluation report of a graded reward (RAG: 0.9 x word F1 + 0.1 x format): correct only at 1."""
+    def pol(xs):
+        return {"per_episode": [{"task_id": f"q{i}", "components": {"correct": float(x == 1.0)}, "reward": x}
+                                for i, x in enumerate(xs)], "tool_use_rate": None, "mean_llm_calls": None}
+    d = (sum(final) - sum(base)) / len(base)
+    return {"policies": {"base": pol(base), "run:5": pol(final)},
+            "paired": {"run:5 - base": {"mean_reward": {"estimate": d, "low": low, "high": d + 0.1},
+                                        "success_rate": {"estimate": 0.0, "low": 0.0, "high": 0.0}}}}
+
+
+def test_study_report_mean_reward_of_a_graded_reward():
+    heldout = [{"greedy": _graded([0.1, 0.5, 1.0, 0.2], [0.3, 0.5, 1.0, 0.6], 0.05)},
+               {"greedy": _graded([0.1, 0.5, 1.0, 0.2], [0.1, 0.9, 1.0, 0.2], -0.02)}]
+    summaries = [{"run": f"s{k}", "config": {}, "trainer_env": {}, "heldout": {},
+                  "iterations": [{"iteration": 0, "correct_rate": 0.0, "mean_reward": 0.4}]} for k in range(2)]
+    r = study.study_report([0, 1], summaries, heldout, [])
+    g = r["heldout_reward"]["greedy"]
+    assert [(p["base"], p["final"]) for p in g["per_seed"]] == [pytest.approx((0.45, 0.6)), pytest.approx((0.45, 0.55))]
+    assert [p["difference"]["estimate"] for p in g["per_seed"]] == [pytest.approx(0.15), pytest.approx(0.1)]
+    # per question, averaged over the 2 seeds: +0.1, +0.2, 0, +0.2
+    assert g["pooled_paired_bootstrap"]["estimate"] == pytest.approx(0.125)
+    assert not g["every_seed_above_zero"] and g["no_seed_below_base"]
+    # the correct rate of the same reports: nothing changed (no answer went to 1.0)
+    c = r["heldout"]["greedy"]
+    assert [(p["base"], p["final"]) for p in c["per_seed"]] == [(0.25, 0.25), (0.25, 0.25)]
+    with pytest.raises(KeyError):
+        study.paired_block([heldout[0]["greedy"]], "f1")
+
+
 def test_per_kind_breakdown():
     from examples.math_agent.main_job import per_kind
 
