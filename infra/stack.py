@@ -23,8 +23,8 @@ from typing import Callable
 import httpx
 
 from spanrl.core import shm
-from spanrl.core.settings import (STACK_TRAINER_START, Settings, StackSettings, check_environment, child_env,
-                                  default_replication, env_value, get_settings)
+from spanrl.core.settings import (PROCESSED_LOGPROBS, STACK_TRAINER_START, Settings, StackSettings,
+                                  check_environment, child_env, default_replication, env_value, get_settings)
 from spanrl.infra import storage
 from spanrl.schemas import topics as T
 
@@ -37,7 +37,10 @@ def vllm_args(s: Settings, root: Path = ROOT) -> list[str]:
     fp32 and eager mode (the CPU build, DEVELOPERS.md); with ``s.vllm_tool_call_parser`` set,
     ``--enable-auto-tool-choice --tool-call-parser NAME`` (vLLM docs, "Tool Calling": without a
     parser vLLM refuses ``tools`` with ``tool_choice`` auto, required or named with 400); with
-    ``s.vllm_chat_template`` set, ``--chat-template PATH`` (relative paths from ``root``).
+    ``s.vllm_chat_template`` set, ``--chat-template PATH`` (relative paths from ``root``); with
+    ``s.rollout_temperature`` set, ``--logprobs-mode processed_logprobs`` (vLLM's log-probs are
+    then those of the distribution it sampled from, after temperature, not of the raw logits:
+    vllm/v1/sample/sampler.py, vLLM 0.32; a greedy call's are the raw ones either way).
     """
     args = ["--model", str(s.model_dir), "--served-model-name", s.model_name, "--host", s.host,
             "--port", str(s.vllm_port), "--dtype", "float32", "--enforce-eager",
@@ -46,6 +49,8 @@ def vllm_args(s: Settings, root: Path = ROOT) -> list[str]:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", s.vllm_tool_call_parser]
     if s.vllm_chat_template:
         args += ["--chat-template", str(root / s.vllm_chat_template)]
+    if s.rollout_temperature is not None:
+        args += ["--logprobs-mode", PROCESSED_LOGPROBS]
     return args
 
 

@@ -105,7 +105,8 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
     out = {
         "seeds": seeds,
         "settings": {"config": summaries[0].get("config"), "trainer_env": summaries[0].get("trainer_env"),
-                     "trainer_settings": summaries[0].get("trainer_settings")},
+                     "trainer_settings": summaries[0].get("trainer_settings"),
+                     "rollout_temperature": summaries[0].get("rollout_temperature")},
         "heldout": {m: paired_block([h[m] for h in heldout]) for m in modes},
         "heldout_reward": {m: paired_block([h[m] for h in heldout], "reward") for m in modes},
         "ood": {m: paired_block([o[m] for o in ood]) for m in modes if ood and all(m in o for o in ood)},

@@ -152,8 +152,10 @@ class TypedStream:
 class VllmApi:
     """One of vLLM's own APIs (chat completions, completions), served as it is: the client's
     body is the vLLM call's body (the same dict: the proxy adds the sampling seed and an
-    evaluation temperature to it), and the answer and chunks go back minus the token ids and
-    log-probs the client did not ask for (the proxy always asks vLLM for them)."""
+    evaluation temperature to it; a training call at ``SPANRL_ROLLOUT_TEMPERATURE`` goes to vLLM
+    as a copy with that temperature and neutral truncation fields), and the answer and chunks
+    go back minus the token ids and log-probs the client did not ask for (the proxy always asks
+    vLLM for them)."""
 
     name: str
     route: str

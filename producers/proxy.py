@@ -66,7 +66,7 @@ from pydantic import BaseModel, SecretStr
 from spanrl.core import claims, ids, production, response_ids
 from spanrl.core import metrics as prom
 from spanrl.core.edge import BadRequest
-from spanrl.core.settings import ProducerSettings, TopicSettings, check_environment
+from spanrl.core.settings import PROCESSED_LOGPROBS, ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import edge, seeding, streaming
 from spanrl.producers.client_apis import CLIENT_APIS, ClientApi, StreamEvents
 from spanrl.producers.client_apis import MESSAGES, sse_events, strip_response  # noqa: F401 - their old home
@@ -94,6 +94,7 @@ PLAIN_COUNTERS = {
     "policy_version_updates": "policy versions posted by the reloader",
     "policy_unsynced_posts": "policy_unsynced notices posted by the reloader",
     "dead_letter_unwritten": "dead letters of interrupted streams Kafka did not take",
+    "rollout_temperature_set": "training calls forwarded with SPANRL_ROLLOUT_TEMPERATURE instead of the client's",
 }
 
 
@@ -368,14 +369,20 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
                timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
                auth_token: SecretStr | str | None = None, claim_client=None,
-               payload_bucket: str | None = None, eval_topics: Topics | None = None) -> FastAPI:
+               payload_bucket: str | None = None, eval_topics: Topics | None = None,
+               rollout_temperature: float | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
     ``auth_token``: bearer token every route but ``GET /health`` requires (None: open).
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
     (spanrl/core/claims.py); default: MinIO and bucket of the settings.
     ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
-    ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them."""
+    ``Topics.evaluation()``: ``spans.eval``, ``dead-letter.eval``); nothing trains on them.
+    ``rollout_temperature`` (``SPANRL_ROLLOUT_TEMPERATURE``): the temperature every call of a
+    training or production route is sampled at, with :data:`NEUTRAL_SAMPLING` for the fields
+    the call leaves unset (:func:`untrainable_sampling` refusals: 400
+    ``untrainable_sampling``), once vLLM is known to return processed log-probs
+    (:func:`logprobs_mode_problem`; else 503 ``vllm_logprobs_mode``); None: the client's own."""
     metrics: Counter[str] = Counter()
     if payload_bucket is None:
         from spanrl.core.settings import get_settings
@@ -386,6 +393,23 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     policy = PolicyState(policy_version)
     train_topics: Topics = sink.topics
     eval_topics = eval_topics or Topics.evaluation()
+    vllm_mode = {"processed": False, "lock": asyncio.Lock()}  # vLLM's logprobs mode, checked once per vLLM
+
+    async def check_vllm_mode() -> str | None:
+        """:func:`logprobs_mode_problem` of vLLM's ``/server_info``, asked once (one request
+        at a time) until vLLM says ``processed_logprobs``, and again after vLLM was lost (it
+        may come back with other arguments). Raises httpx.TransportError."""
+        async with vllm_mode["lock"]:
+            if vllm_mode["processed"]:
+                return None
+            info = await app.state.client.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+            try:
+                answer = info.json() if info.status_code == 200 else None
+            except ValueError:
+                answer = None
+            problem = logprobs_mode_problem(info.status_code, answer)
+            vllm_mode["processed"] = problem is None
+            return problem
 
     async def follow_reloader(client: httpx.AsyncClient) -> None:
         while True:
@@ -450,6 +474,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         metrics["requests"] += 1
         if topics is eval_topics:
             metrics["eval_requests"] += 1
+        temperature_changed = False
         try:
             ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
@@ -468,6 +493,12 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                     raise BadRequest(400, "invalid_sampling",
                                      f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
                 body["temperature"] = temperature
+            elif topics is not eval_topics and rollout_temperature is not None:
+                if (problem := untrainable_sampling(body)) is not None:
+                    raise BadRequest(400, "untrainable_sampling", problem)
+                temperature_changed = body.get("temperature") != rollout_temperature
+                body = {**body, **{k: v for k, v in NEUTRAL_SAMPLING.items() if body.get(k) is None},
+                        "temperature": rollout_temperature}
             check_n(body)
             streamed = check_stream(body)
         except BadRequest as exc:
@@ -477,6 +508,15 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if not policy.synced:  # error() counts the reason
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
+        if topics is not eval_topics and rollout_temperature is not None:
+            try:
+                problem = await check_vllm_mode()
+            except httpx.TransportError as exc:
+                return vllm_unavailable(exc)
+            if problem is not None:
+                return error(503, "vllm_logprobs_mode", f"SPANRL_ROLLOUT_TEMPERATURE={rollout_temperature} needs "
+                             f"vLLM's processed log-probs: {problem}")
+            metrics["rollout_temperature_set"] += temperature_changed
         ctx = CallContext(api.endpoint, body, rollout_id, attempt_id, topics, request.headers.get("x-spanrl-agent"),
                           parse_traceparent(request.headers.get("traceparent")), time.time_ns(), api.span_api,
                           attributes)
@@ -502,6 +542,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         return JSONResponse(api.answer(client_body, body, response))
 
     def vllm_unavailable(exc: httpx.TransportError) -> Response:
+        if vllm_lost(exc):  # a vLLM that comes back may have other arguments
+            vllm_mode["processed"] = False
         if vllm_lost(exc) and policy.vllm_unreachable():
             log.warning("vLLM unreachable (%r): policy version unsynced until the reloader posts one", exc)
         return error(503, "vllm_unavailable", f"vLLM at {vllm_url} unreachable: {exc!r}",
@@ -709,6 +751,60 @@ def client_routes(apis: tuple[ClientApi, ...] = CLIENT_APIS) -> list[tuple[str, 
     return [(family, prefix + api.route, api) for family, prefix in ROUTE_FAMILIES.items() for api in apis]
 
 
+#: the request fields that truncate or bias vLLM's sampling distribution, and their neutral
+#: values, the first being what the proxy sends (vLLM 0.32 ``SamplingParams``; for ``top_k`` both
+#: 0 and -1 mean all tokens)
+SAMPLING_DISTORTIONS = {"top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+                        "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": ({},),
+                        "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": ([],)}
+#: what a training call at the rollout temperature sends for the fields vLLM would otherwise
+#: take from the model directory's generation_config.json (its priority: request, then the
+#: model's defaults, then its own: ``ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS``, vLLM
+#: 0.32), so a model's own top_k / top_p defaults cannot truncate what is trained on
+NEUTRAL_SAMPLING = {k: SAMPLING_DISTORTIONS[k][0] for k in ("top_p", "top_k", "min_p", "presence_penalty",
+                                                             "frequency_penalty", "repetition_penalty")}
+
+
+def untrainable_sampling(body: dict) -> str | None:
+    """Why the trainer could not score a call of vLLM ``body`` as it was sampled, or None.
+
+    With ``SPANRL_ROLLOUT_TEMPERATURE`` set, vLLM's log-probs are those of the distribution
+    it sampled from (``--logprobs-mode processed_logprobs``): after temperature and after
+    top-p / top-k / min-p truncation, penalties, logit bias and banned tokens. The trainer
+    divides its logits by the temperature only, so a call that set any of
+    :data:`SAMPLING_DISTORTIONS` to a non-neutral value would give an importance ratio of two
+    different distributions. Not refused: constrained decoding (``response_format``,
+    structured outputs, ``tool_choice`` required or named, as the RAG agent's forced search),
+    whose grammar mask vLLM applies to the logits before sampling in either logprobs mode;
+    the trainer does not mask, with or without the setting.
+    Example: ``{"top_p": 0.9, "top_k": -1}`` -> ``"top_p=0.9: ..."``."""
+    bad = [f"{key}={json.dumps(body[key])}" for key, neutral in SAMPLING_DISTORTIONS.items()
+           if body.get(key) is not None and body[key] not in neutral]
+    if not bad:
+        return None
+    return (f"{', '.join(bad)}: with SPANRL_ROLLOUT_TEMPERATURE set, training calls sample the softmax at "
+            "that temperature untruncated (the trainer scores no truncation or bias); leave these out of "
+            "training calls")
+
+
+def logprobs_mode_problem(status: int, server_info: dict | None) -> str | None:
+    """What is wrong with vLLM's log-probs for a rollout temperature, from its
+    ``GET /server_info?config_format=json`` answer (``status``, the JSON; vLLM's dev-mode
+    endpoint, which spanrl's stack and manifests turn on for weight reloads), or None when
+    vLLM returns ``processed_logprobs``. Example: (200, ``{"vllm_config": {"model_config":
+    {"logprobs_mode": "raw_logprobs"}}}``) -> ``"vLLM returns raw_logprobs; start it with
+    --logprobs-mode processed_logprobs"``."""
+    if status != 200 or not isinstance(server_info, dict):
+        return (f"GET /server_info answered {status}: its logprobs mode cannot be checked (vLLM needs "
+                "VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs)")
+    config = server_info.get("vllm_config")
+    model_config = config.get("model_config") if isinstance(config, dict) else None
+    mode = model_config.get("logprobs_mode") if isinstance(model_config, dict) else None
+    if mode == PROCESSED_LOGPROBS:
+        return None
+    return f"vLLM returns {mode}; start it with --logprobs-mode {PROCESSED_LOGPROBS}"
+
+
 def eval_temperature(sampling: str) -> float | None:
     """The temperature an ``/eval/{sampling}/...`` route sets: a finite number >= 0, else None."""
     try:
@@ -806,7 +902,7 @@ def main(argv: list[str] | None = None) -> None:
     eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.vllm_url,
                      a.model_name, a.policy_version, reloader_url=a.reloader_url.rstrip("/") or None,
-                     auth_token=s.auth_token, eval_topics=eval_topics)
+                     auth_token=s.auth_token, eval_topics=eval_topics, rollout_temperature=s.rollout_temperature)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

@@ -29,16 +29,32 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | torch.T
     return masked_sum(x, mask) / normaliser
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the tokens actually in ``input_ids`` under ``logits``.
+def tempered(x: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    """``x / temperature``: the logits of the distribution a call sampled at ``temperature``
+    was drawn from, ``softmax(logits / T)`` (vLLM's sampler divides the logits by the
+    request's temperature before sampling, vllm/v1/sample/sampler.py ``apply_temperature``;
+    verl's actor divides its logits by the rollout temperature before its log-probs likewise,
+    verl/workers/actor/dp_actor.py). ``temperature`` None or 1: ``x`` itself (the same
+    tensor). Raises ValueError for a temperature that is not > 0."""
+    if temperature is None or temperature == 1:
+        return x
+    if not temperature > 0:
+        raise ValueError(f"a sampling temperature must be > 0, got {temperature}")
+    return x / temperature
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor,
+                   temperature: float | None = None) -> torch.Tensor:
+    """Log-probs of the tokens actually in ``input_ids`` under ``logits`` (divided by
+    ``temperature``, :func:`tempered`: the log-probs of tokens sampled at that temperature).
 
     logits ``[B, T, V]`` (position t predicts token t+1), input_ids ``[B, T]``,
     completion_mask ``[B, T]``. Returns ``[B, T]`` float32: entry ``t`` is
-    ``log softmax(logits[t-1])[input_ids[t]]`` where the mask is 1, else 0 (position 0
-    has no prediction and is never a completion token).
+    ``log softmax(logits[t-1] / temperature)[input_ids[t]]`` where the mask is 1, else 0
+    (position 0 has no prediction and is never a completion token).
     """
     # log pi(x_t | x_<t) = logit_{t-1}[x_t] - logsumexp(logit_{t-1})
-    shifted = logits[:, :-1, :].float()
+    shifted = tempered(logits[:, :-1, :].float(), temperature)
     targets = input_ids[:, 1:].unsqueeze(-1)
     logp = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
     out = F.pad(logp, (1, 0), value=0.0)
@@ -46,46 +62,50 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, completion_mas
 
 
 class _TargetLogprob(torch.autograd.Function):
-    """``log softmax(h @ W.T)[target]`` per row, computed ``chunk`` rows at a time; only the
-    inputs and one logsumexp per row are kept for backward, which recomputes each chunk's
-    logits (see :func:`chunked_token_logprobs`)."""
+    """``log softmax(h @ W.T / temperature)[target]`` per row, computed ``chunk`` rows at a
+    time (the float32 logits divided by the temperature, as :func:`token_logprobs` divides
+    them); only the inputs and one logsumexp per row are kept for backward, which recomputes
+    each chunk's logits (see :func:`chunked_token_logprobs`)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
+    def forward(ctx, h, weight, targets, chunk, temperature):
         n = h.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         target_logit = torch.empty(n, dtype=torch.float32, device=h.device)
         for s in range(0, n, chunk):
-            logits = (h[s:s + chunk] @ weight.T).float()  # [c, V], as the lm_head then .float()
+            logits = tempered((h[s:s + chunk] @ weight.T).float(), temperature)  # [c, V], as the lm_head then .float()
             lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
             target_logit[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
             del logits
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return target_logit - lse
 
     @staticmethod
     def backward(ctx, grad):
         h, weight, targets, lse = ctx.saved_tensors
-        chunk = ctx.chunk
+        chunk, temperature = ctx.chunk, ctx.temperature
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for s in range(0, h.shape[0], chunk):
             hc, g = h[s:s + chunk], grad[s:s + chunk].float()
-            # d logp / d logits = onehot(target) - softmax(logits)
-            dlogits = torch.exp((hc @ weight.T).float() - lse[s:s + chunk, None]).mul_(-g[:, None])
+            # d logp / d (logits / T) = onehot(target) - softmax(logits / T); d (logits / T) / d logits = 1 / T
+            dlogits = torch.exp(tempered((hc @ weight.T).float(), temperature) - lse[s:s + chunk, None])
+            dlogits.mul_(-g[:, None])
             dlogits[torch.arange(hc.shape[0], device=h.device), targets[s:s + chunk]] += g
+            dlogits = tempered(dlogits, temperature)
             if grad_h is not None:
                 grad_h[s:s + chunk] = dlogits.to(h.dtype) @ weight
             if grad_w is not None:
                 grad_w += dlogits.T @ hc.float()
             del dlogits
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, input_ids: torch.Tensor,
-                           completion_mask: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+                           completion_mask: torch.Tensor, chunk: int = 256,
+                           temperature: float | None = None) -> torch.Tensor:
     """:func:`token_logprobs` of ``logits = hidden @ lm_head_weight.T`` without ever holding
     the ``[B, T, V]`` logits: only positions whose next token is a completion token are
     scored, ``chunk`` of them at a time, each keeping its target logit and its logsumexp
@@ -96,12 +116,16 @@ def chunked_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, i
     token t+1), lm_head_weight ``[V, H]`` (an lm_head without bias or logit soft-capping),
     input_ids ``[B, T]``, completion_mask ``[B, T]``. Returns ``[B, T]`` float32, the same
     values (and gradients w.r.t. ``hidden`` and the weight) as ``token_logprobs`` up to float
-    rounding. Raises ValueError for ``chunk`` < 1.
+    rounding. With ``temperature``, the log-probs of :func:`token_logprobs` at that
+    temperature (each chunk's float32 logits divided by it, as there).
+    Raises ValueError for ``chunk`` < 1 or a temperature that is not > 0.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    tempered(hidden[:0], temperature)  # a temperature that is not > 0 raises before any work
     scored = completion_mask[:, 1:] > 0  # [B, T-1]: positions t-1 that predict a completion token t
-    logp = _TargetLogprob.apply(hidden[:, :-1][scored], lm_head_weight, input_ids[:, 1:][scored], chunk)
+    logp = _TargetLogprob.apply(hidden[:, :-1][scored], lm_head_weight, input_ids[:, 1:][scored], chunk,
+                                temperature)
     out = torch.zeros(scored.shape, dtype=torch.float32, device=hidden.device).masked_scatter(scored, logp)
     return F.pad(out, (1, 0), value=0.0) * completion_mask
 

@@ -323,23 +323,25 @@ def lm_head_bypassed(model):
         model.set_output_embeddings(head)
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_mask, window: int, chunk: int):
+def completion_logprobs(model, input_ids, attention_mask, completion_mask, window: int, chunk: int,
+                        temperature: float | None = None):
     """Log-probs ``[B, window]`` of the last ``window`` positions of ``input_ids`` under
     ``model`` (the engine, the reference model or a ``lora.AdapterDisabled``; masked by
-    ``completion_mask[:, -window:]``):
+    ``completion_mask[:, -window:]``), at the sampling ``temperature`` (the stack's
+    ``rollout_temperature``; None: the raw logits, :func:`losses.tempered`):
     ``chunk`` > 0 through losses.chunked_token_logprobs (never the ``[B, window, V]``
     logits), 0 through the full logits and losses.token_logprobs."""
     ids, mask = input_ids[:, -window:], completion_mask[:, -window:]
     if not chunk:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
-        return losses.token_logprobs(logits, ids, mask)
+        return losses.token_logprobs(logits, ids, mask, temperature)
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
     if zero_stage_of(model) == 3:
         raise ValueError("chunked log-probs read the output layer's weight outside its forward, which ZeRO-3 "
                          "keeps partitioned: set logprob_chunk=0 with zero_stage 3")
     with lm_head_bypassed(module) as weight:
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
-    return losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk)
+    return losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk, temperature)
 
 
 # ---- one update (algorithm) -----------------------------------------------------------
@@ -416,13 +418,17 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  advantage_std_scale: bool = True, drop_zero_variance: bool = False,
                  mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK,
                  negative_advantage_weight: float = 1.0, prefix_tree_advantage: bool = False,
-                 self_imitation: SelfImitationBuffer | None = None, prefix_merge: bool = False) -> dict:
+                 self_imitation: SelfImitationBuffer | None = None, prefix_merge: bool = False,
+                 temperature: float | None = None) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
     mini-batch (``losses.sequence_loss_weights``: token_mean, sequence_mean or
     per_rollout_mean); log-probs ``logprob_chunk`` completion positions at a time
-    (:func:`completion_logprobs`; 0: full logits); ``ratio_cap``: dual-clip (``losses.dual_clip``; None: off).
+    (:func:`completion_logprobs`; 0: full logits), the policy's and the reference's at the
+    sampling ``temperature`` every sample was drawn at (the stack's ``rollout_temperature``,
+    with which vLLM's behaviour log-probs are those of ``softmax(logits / T)``; None: the raw
+    logits); ``ratio_cap``: dual-clip (``losses.dual_clip``; None: off).
     ``advantage_std_scale`` False: Dr. GRPO advantages (:func:`sample_advantages`).
     ``negative_advantage_weight``: negative advantages scaled by it after they are computed
     (:func:`losses.negative_weighted_advantages`; 1: unchanged).
@@ -575,12 +581,12 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
                 K = batching.completion_window(b)
                 logp = completion_logprobs(engine, b.input_ids, b.attention_mask, b.completion_mask, K,
-                                           logprob_chunk)
+                                           logprob_chunk, temperature)
                 ref_logp = None
                 if use_ref:
                     with torch.no_grad():
                         ref_logp = completion_logprobs(ref_model, b.input_ids, b.attention_mask,
-                                                       b.completion_mask, K, logprob_chunk)
+                                                       b.completion_mask, K, logprob_chunk, temperature)
                 b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
                                    b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
                 token_w = token_w[:, -K:]
@@ -1358,7 +1364,8 @@ class Trainer:
                 drop_zero_variance=self.cfg.drop_zero_variance,
                 negative_advantage_weight=self.cfg.negative_advantage_weight,
                 prefix_tree_advantage=self.cfg.prefix_tree_advantage, prefix_merge=self.cfg.prefix_merge,
-                mini_batches=self.cfg.mini_batches, logprob_chunk=self.cfg.logprob_chunk)
+                mini_batches=self.cfg.mini_batches, logprob_chunk=self.cfg.logprob_chunk,
+                temperature=self.settings.rollout_temperature)
             if self.channel is not None:  # the batch is fixed now; every rank trains its share of it
                 self.channel.send({"op": "update", "samples": samples, "options": options})
             # returns once every rank has stepped (train_update's last collective)
@@ -1396,6 +1403,7 @@ class Trainer:
         self.emit({"event": "update", "run": self.run, "update": self.state.updates, "step": self.state.step,
                    "version": self.state.version, **{k: round(v, 6) if isinstance(v, float) else v
                                                      for k, v in metrics.items()},
+                   "rollout_temperature": self.settings.rollout_temperature,  # the log-probs' (None: raw logits)
                    "offsets": dict(self.state.trained_offsets),
                    "heap": heap.malloc_totals(),  # what malloc holds after the update (spanrl/core/heap.py)
                    "consumed": checkpoint.consumed_ranges(before, self.state.trained_offsets),

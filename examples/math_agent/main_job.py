@@ -597,6 +597,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "agents": dict(sorted(agents_total.items())),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "seed": s.seed,
+        "rollout_temperature": s.rollout_temperature,  # SPANRL_ROLLOUT_TEMPERATURE (None: the agent's own)
         "trainer_env": {k: env_value(k, v) for k, v in DEMO_TRAINER_ENV.items()},
         "trainer_settings": env_with_prefix("SPANRL_TRAINER_"),
         "trainer_updates": _trainer_updates(s),

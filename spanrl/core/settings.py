@@ -88,6 +88,10 @@ def setting(default: Any = ..., doc: str = "", *, unit: str = "", readers: str, 
 _ENVIRON: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("spanrl_environ", default=None)
 
 
+#: vLLM's ``--logprobs-mode`` that makes its log-probs those of the distribution it sampled
+#: from (after temperature): what a rollout temperature needs (infra/stack.py, the proxy)
+PROCESSED_LOGPROBS = "processed_logprobs"
+
 class _MappingSource(PydanticBaseSettingsSource):
     """A section's values from an explicit mapping of variable names (:meth:`Section.from_environ`)."""
 
@@ -244,6 +248,17 @@ class Settings(Section):
     vllm_chat_template: str | None = setting(None, "vLLM's `--chat-template` (relative paths from the repository "
                                              "root); empty: the model's own template", readers="stack",
                                              shown="the model's choice (spanrl/core/model.py)")
+    rollout_temperature: float | None = setting(
+        None, "the sampling temperature of every training call: the proxy sets it on each call of a training or "
+        "production route (an evaluation route keeps its own) and refuses one that also truncates or biases the "
+        "distribution (`top_p`, `top_k`, `min_p`, penalties, `logit_bias`, `min_tokens`, `bad_words`, "
+        "`allowed_token_ids`: 400 `untrainable_sampling`); vLLM "
+        "returns the log-probs of the distribution it sampled from (`--logprobs-mode processed_logprobs`) and the "
+        "trainer divides its logits by the same temperature, for the policy and the reference (trainer/losses.py "
+        "`tempered`), so the importance ratio compares like with like. A replay must use the run's value. "
+        "Unset (`none`): every call keeps the agent's own temperature and vLLM's log-probs are of the raw logits, "
+        "which the trainer reads at temperature 1 (every example agent samples at 1.0)",
+        readers="proxy, stack, trainer")
 
     auth_token: SecretStr | None = setting(None, "bearer token the bridge and the proxy demand on every route but "
                                            "`GET /health` (unset or empty: no auth)",
@@ -267,6 +282,17 @@ class Settings(Section):
         """``none`` / ``null`` / empty: no run seed."""
         if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
             return None
+        return value
+
+    @field_validator("rollout_temperature", mode="before")
+    @classmethod
+    def _rollout_temperature(cls, value):
+        """``none`` / ``null`` / empty: unset; else a finite temperature > 0 (greedy calls have no
+        sampling distribution to take an importance ratio against)."""
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        if value is not None and not 0 < float(value) < float("inf"):
+            raise ValueError(f"must be a finite temperature > 0 (unset: the agent's own), got {value}")
         return value
 
     @model_validator(mode="after")

@@ -25,13 +25,15 @@ def tiny_model(seed: int = 0):
 
 
 @torch.no_grad()
-def rollout(model, gen: torch.Generator, step: int):
-    """GROUPS prompts x GROUP_SIZE sampled completions -> (Sample dicts, rewards [N])."""
+def rollout(model, gen: torch.Generator, step: int, temperature: float = 1.0):
+    """GROUPS prompts x GROUP_SIZE completions sampled at ``temperature`` -> (Sample dicts,
+    rewards [N]); the behaviour log-probs are those of the distribution sampled from, as vLLM's
+    processed log-probs are."""
     model.eval()
     prompts = torch.randint(8, VOCAB, (GROUPS, PROMPT_LEN), generator=gen).repeat_interleave(GROUP_SIZE, 0)
     ids, logps = prompts, []
     for _ in range(COMP_LEN):
-        logits = model(input_ids=ids).logits[:, -1].float()
+        logits = model(input_ids=ids).logits[:, -1].float() / temperature
         logp_all = torch.log_softmax(logits, -1)
         tok = torch.multinomial(logp_all.exp(), 1, generator=gen)
         logps.append(logp_all.gather(-1, tok))

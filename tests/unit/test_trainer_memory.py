@@ -157,7 +157,8 @@ def test_rendezvous_listens_on_loopback_only():
         assert ip in ("0100007F", "00000000000000000000000001000000"), (family, local)
 
 
-def test_chunked_token_logprobs_equals_token_logprobs_values_and_gradients():
+@pytest.mark.parametrize("temperature", [None, 0.7])  # 0.7: SPANRL_ROLLOUT_TEMPERATURE's scaling
+def test_chunked_token_logprobs_equals_token_logprobs_values_and_gradients(temperature):
     torch.manual_seed(0)
     B, T, H, V = 3, 9, 6, 13
     hidden = torch.randn(B, T, H, requires_grad=True)
@@ -168,10 +169,10 @@ def test_chunked_token_logprobs_equals_token_logprobs_values_and_gradients():
     mask[2, 8] = 0.0  # a padded tail
     mask[1, 3:] = 1.0  # a longer completion
     g = torch.randn(B, T)
-    full = losses.token_logprobs(hidden @ weight.T, ids, mask)
+    full = losses.token_logprobs(hidden @ weight.T, ids, mask, temperature)
     g_full = torch.autograd.grad((full * g).sum(), (hidden, weight))
     for chunk in (1, 4, 1000):
-        out = losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk)
+        out = losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk, temperature)
         assert out.dtype == torch.float32 and out.shape == (B, T)
         assert torch.allclose(out, full, atol=1e-5)
         assert torch.equal(out == 0, full == 0)  # zero off the completion
