@@ -3,7 +3,7 @@ log-probs that match on both sides. The setting's bounds, vLLM's ``--logprobs-mo
 stack, the proxy's refusals and its check of vLLM's mode (a fake vLLM behind the real app), and
 the trainer's log-probs at the temperature: exact on a tiny vocabulary (chunked = full with
 gradients: tests/unit/test_trainer_memory.py), and an on-policy update whose importance ratio
-is 1 only at the sampling temperature. tests/integration/test_rollout_temperature.py checks
+is 1 only at the sampling temperature. tests/integration/test_rollout_temperature_stack.py checks
 the real vLLM's processed log-probs against the trainer's."""
 from __future__ import annotations
 
