@@ -475,6 +475,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if topics is eval_topics:
             metrics["eval_requests"] += 1
         temperature_changed = False
+        at_rollout_temperature = topics is not eval_topics and rollout_temperature is not None
         try:
             ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
@@ -493,7 +494,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                     raise BadRequest(400, "invalid_sampling",
                                      f"evaluation sampling must be 'agent' or a temperature >= 0, got {sampling!r}")
                 body["temperature"] = temperature
-            elif topics is not eval_topics and rollout_temperature is not None:
+            elif at_rollout_temperature:
                 if (problem := untrainable_sampling(body)) is not None:
                     raise BadRequest(400, "untrainable_sampling", problem)
                 temperature_changed = body.get("temperature") != rollout_temperature
@@ -508,7 +509,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         if not policy.synced:  # error() counts the reason
             return error(503, "policy_unsynced", f"the served policy version is not known ({policy.reason}); "
                          "waiting for the reloader to reload vLLM", {"Retry-After": RETRY_AFTER_S})
-        if topics is not eval_topics and rollout_temperature is not None:
+        if at_rollout_temperature:
             try:
                 problem = await check_vllm_mode()
             except httpx.TransportError as exc:

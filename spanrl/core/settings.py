@@ -92,6 +92,14 @@ _ENVIRON: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.Context
 #: from (after temperature): what a rollout temperature needs (infra/stack.py, the proxy)
 PROCESSED_LOGPROBS = "processed_logprobs"
 
+
+def _none_word(value: Any) -> Any:
+    """None for an optional setting written as ``none`` / ``null`` / empty (any case), else ``value``."""
+    if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+        return None
+    return value
+
+
 class _MappingSource(PydanticBaseSettingsSource):
     """A section's values from an explicit mapping of variable names (:meth:`Section.from_environ`)."""
 
@@ -280,17 +288,14 @@ class Settings(Section):
     @classmethod
     def _seed_none(cls, value):
         """``none`` / ``null`` / empty: no run seed."""
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
-        return value
+        return _none_word(value)
 
     @field_validator("rollout_temperature", mode="before")
     @classmethod
     def _rollout_temperature(cls, value):
         """``none`` / ``null`` / empty: unset; else a finite temperature > 0 (greedy calls have no
         sampling distribution to take an importance ratio against)."""
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
+        value = _none_word(value)
         if value is not None and not 0 < float(value) < float("inf"):
             raise ValueError(f"must be a finite temperature > 0 (unset: the agent's own), got {value}")
         return value
