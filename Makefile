@@ -9,7 +9,7 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate bench-vllm-lora chaos soak
+.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -56,6 +56,12 @@ bench-rate: bootstrap
 ## 2 cores, nothing else running. Writes bench/results/vllm-lora.json.
 bench-vllm-lora: bootstrap
 	$(PY) -m bench.vllm_lora --out bench/results/vllm-lora.json $(ARGS)
+
+## One update of recorded RAG samples (MODEL=qwen2.5-coder-0.5b, which recorded them: the 8-question
+## setting's iteration 0) unpacked and tree-packed, side by side (bench/tree_pack.py); nothing else
+## running. ARGS="--groups 4": half of the update. Writes bench/results/tree-pack.json.
+bench-tree-pack: bootstrap
+	$(PY) -m bench.tree_pack docs/bench/rag05_8q_samples_v0.json --out bench/results/tree-pack.json $(ARGS)
 
 ## Soak (issue 21): the sustained workload at a fixed rate with the trainer consuming, >= 1 h by
 ## default (80 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in

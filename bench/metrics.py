@@ -151,3 +151,10 @@ def is_flat(trend: dict, tolerance_frac: float = 0.05, tolerance_mib: float = 16
     ``max(tolerance_frac x mean, tolerance_mib)`` MiB (a NaN trend is not flat)."""
     g = trend["growth_mib"]
     return not math.isnan(g) and g <= max(tolerance_frac * trend["mean_mib"], tolerance_mib)
+
+
+def max_rel_diff(a: dict, b: dict, keys) -> float:
+    """Largest ``|a[k] - b[k]| / |a[k]|`` over ``keys`` whose ``a`` value is not None (the
+    denominator at least 1e-12): how far two runs of one update that should agree are apart.
+    Example: a {x: 2, y: None}, b {x: 2.5, y: 1}, keys (x, y) -> 0.25."""
+    return max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for k in keys if a.get(k) is not None)

@@ -72,6 +72,7 @@ def side_by_side(samples: list[dict], model_dir: Path) -> dict:
     figures."""
     import copy
 
+    from bench.metrics import max_rel_diff
     from bench.one_update_shift import demo_update_options
     from spanrl.trainer.train import build_engine, load_model, train_update
 
@@ -87,8 +88,7 @@ def side_by_side(samples: list[dict], model_dir: Path) -> dict:
             "update_s": round(time.perf_counter() - t0, 2)}
         del engine
     a, b = out["per_call"], out["merged"]
-    out["max_rel_diff"] = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12)
-                              for k in ("loss", "approx_kl", "clip_frac", "grad_norm") if a[k] is not None)
+    out["max_rel_diff"] = max_rel_diff(a, b, ("loss", "approx_kl", "clip_frac", "grad_norm"))
     out["time_ratio_merged_per_call"] = round(b["update_s"] / a["update_s"], 3)
     out["token_ratio_merged_per_call"] = round(b["tokens"] / a["tokens"], 3)
     return out

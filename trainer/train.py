@@ -45,8 +45,9 @@ from spanrl.core import heap
 from spanrl.core import settings as env
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
-from spanrl.trainer import batching, checkpoint, deepspeed_patches, lora, losses, ranks, staleness, tracking
+from spanrl.trainer import batching, checkpoint, deepspeed_patches, lora, losses, ranks, staleness, tracking, tree_pack
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
+from spanrl.trainer.tree_pack import TreePack
 from spanrl.trainer.self_imitation import SelfImitationBuffer, check_replay_loss, positive_entries
 
 log = logging.getLogger("spanrl.trainer")
@@ -324,23 +325,34 @@ def lm_head_bypassed(model):
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_mask, window: int, chunk: int,
-                        temperature: float | None = None):
+                        temperature: float | None = None, pack: TreePack | None = None):
     """Log-probs ``[B, window]`` of the last ``window`` positions of ``input_ids`` under
     ``model`` (the engine, the reference model or a ``lora.AdapterDisabled``; masked by
     ``completion_mask[:, -window:]``), at the sampling ``temperature`` (the stack's
     ``rollout_temperature``; None: the raw logits, :func:`losses.tempered`):
     ``chunk`` > 0 through losses.chunked_token_logprobs (never the ``[B, window, V]``
-    logits), 0 through the full logits and losses.token_logprobs."""
+    logits), 0 through the full logits and losses.token_logprobs.
+    ``pack`` (``tree_pack.pack_batch`` of ``input_ids`` / ``attention_mask``): one forward over
+    the packed prefix tree instead of the ``[B, T]`` rows (trainer/tree_pack.py), the same
+    log-probs up to float rounding."""
     ids, mask = input_ids[:, -window:], completion_mask[:, -window:]
+
+    def forward(keep):
+        if pack is None:
+            return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+        dev = input_ids.device
+        out = model(input_ids=pack.input_ids.to(dev), position_ids=pack.position_ids.to(dev),
+                    attention_mask=pack.attention_mask.to(dev), logits_to_keep=0).logits
+        return tree_pack.unpack_hidden(out, pack, window)
+
     if not chunk:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
-        return losses.token_logprobs(logits, ids, mask, temperature)
+        return losses.token_logprobs(forward(window), ids, mask, temperature)
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
     if zero_stage_of(model) == 3:
         raise ValueError("chunked log-probs read the output layer's weight outside its forward, which ZeRO-3 "
                          "keeps partitioned: set logprob_chunk=0 with zero_stage 3")
     with lm_head_bypassed(module) as weight:
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=window).logits
+        hidden = forward(window)
     return losses.chunked_token_logprobs(hidden, weight, ids, mask, chunk, temperature)
 
 
@@ -419,7 +431,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                  mini_batches: int = 1, ref_model=None, logprob_chunk: int = LOGPROB_CHUNK,
                  negative_advantage_weight: float = 1.0, prefix_tree_advantage: bool = False,
                  self_imitation: SelfImitationBuffer | None = None, prefix_merge: bool = False,
-                 temperature: float | None = None) -> dict:
+                 temperature: float | None = None, tree_packing: bool = False) -> dict:
     """One policy update on ``samples``: ``ppo_epochs`` passes, each of ``mini_batches``
     optimizer steps over a deterministic split of the samples (:func:`sample_key`,
     :func:`losses.mini_batch_indices`), micro-batched; ``loss_agg`` weighs tokens within a
@@ -454,6 +466,13 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     and, with ``mini_batches`` > 1, ``prefix_merge_mini_batch_cuts`` (rows more than if the
     update were one mini-batch). Works with every other option here (merging happens after
     the advantages, the filters and the replay are settled, inside each mini-batch).
+    ``tree_packing``: the rows (merged or not) of each mini-batch are grouped into micro-batches
+    in lexicographic order (:func:`tree_pack.tree_budget_batches`: ``micro_batch`` rows and
+    ``micro_batch_tokens`` *packed* tokens at most) and each micro-batch is forwarded as one
+    packed prefix tree (trainer/tree_pack.py, AReaL's tree training): shared prefixes once, the
+    same log-probs and gradients up to float rounding; counted as ``tree_pack_tokens`` (forwarded)
+    and ``tree_pack_row_tokens`` (what the same rows unpacked would forward, without padding).
+    Needs ``logprob_chunk`` > 0 (ValueError).
     ``drop_zero_variance``: samples of groups whose rollouts all got the same return are left
     out before the update (:func:`losses.zero_variance_samples`; counted as
     ``dropped_zero_variance``); when nothing is left no step is taken (``steps`` 0).
@@ -516,6 +535,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     minis = losses.mini_batch_indices(keys, mini_batches)
     per_sample = advantages if per_token is None else per_token
     stop_ids = eos_token_ids(engine) if prefix_merge else None
+    if tree_packing and not logprob_chunk:
+        raise ValueError("tree_packing needs logprob_chunk > 0 (the packed forward's full logits would be [N, V])")
     merged_stats = {"rows": 0, "links": 0, "breaks": dict.fromkeys(BREAK_CAUSES, 0), "tokens": 0, "tokens_per_call": 0}
     plan = []  # per mini-batch: (micro-batches, their token weights [B, T], per-sample weights, sample indices)
     for mini in minis:
@@ -541,8 +562,15 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
             replayed = [mini[(merged.rows[u].samples[0] if prefix_merge else u)] >= n_new for u in units]
             parts = [[u for u in units if not replayed[u]], [u for u in units if replayed[u]]]
         groups, sil_chunks = [], []
+        if tree_packing:
+            tokens = [merged.rows[u].input_ids if prefix_merge else
+                      list(sub[u]["transition"]["prompt_token_ids"]) + list(sub[u]["transition"]["completion_token_ids"])
+                      for u in units]
         for k, part in enumerate(parts):
-            if micro_batch_tokens:  # pack by padded tokens, longest first
+            if tree_packing:  # rows sharing prefixes side by side, by packed tokens
+                part_groups = tree_pack.tree_budget_batches([tokens[u] for u in part],
+                                                            micro_batch_tokens or sum(lengths), micro_batch)
+            elif micro_batch_tokens:  # pack by padded tokens, longest first
                 part_groups = batching.length_budget_batches([lengths[u] for u in part], micro_batch_tokens,
                                                              micro_batch) if part else []
             else:
@@ -558,7 +586,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 token_w = b.completion_mask * torch.tensor([seq_w[i] for i in g], dtype=torch.float32)[:, None]
             chunks.append(b)
             chunk_w.append(token_w)
-        plan.append((chunks, chunk_w, seq_w, mini, sil_chunks))
+        packs = [tree_pack.pack_batch(b.input_ids, b.attention_mask) if tree_packing else None for b in chunks]
+        plan.append((chunks, chunk_w, seq_w, mini, sil_chunks, packs))
     n_tokens = sum(b.num_completion_tokens for chunks, *_ in plan for b in chunks)
     device = engine.device
     rank, world = rank_and_world()  # N ranks: each trains its share of every mini-batch (trainer/ranks.py)
@@ -567,8 +596,9 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     steps = 0
     for epoch in range(ppo_epochs):
         epoch_stats = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0, **({"ref_kl": 0.0} if use_ref else {})}
-        for chunks, chunk_w, _, _, sil_chunks in plan:
-            share = ranks.rank_share([b.input_ids.numel() for b in chunks], world, rank)
+        for chunks, chunk_w, _, _, sil_chunks, packs in plan:
+            share = ranks.rank_share([p.tokens if p is not None else b.input_ids.numel()
+                                      for b, p in zip(chunks, packs)], world, rank)
             for j, (i, padding) in enumerate(share):
                 engine.set_gradient_accumulation_boundary(j == len(share) - 1)
                 b = chunks[i]
@@ -581,12 +611,12 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
                 # (the lm_head over a 49k vocabulary at every prompt position is most of the memory)
                 K = batching.completion_window(b)
                 logp = completion_logprobs(engine, b.input_ids, b.attention_mask, b.completion_mask, K,
-                                           logprob_chunk, temperature)
+                                           logprob_chunk, temperature, packs[i])
                 ref_logp = None
                 if use_ref:
                     with torch.no_grad():
                         ref_logp = completion_logprobs(ref_model, b.input_ids, b.attention_mask,
-                                                       b.completion_mask, K, logprob_chunk, temperature)
+                                                       b.completion_mask, K, logprob_chunk, temperature, packs[i])
                 b = batching.Batch(b.input_ids[:, -K:], b.attention_mask[:, -K:], b.completion_mask[:, -K:],
                                    b.behaviour_logprobs[:, -K:], b.advantages[:, -K:], b.returns)
                 token_w = token_w[:, -K:]
@@ -633,7 +663,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     # the advantage as the loss weighs it (token_mean: the token-weighted mean), over the update
     token_sums = ([sum(row) for row in per_token] if per_token is not None else
                   [a * len(s["transition"]["completion_token_ids"]) for a, s in zip(advantages, samples)])
-    weighted = sum(w * token_sums[mini[j]] for _, _, seq_w, mini, _ in plan for j, w in enumerate(seq_w)) / len(plan)
+    weighted = sum(w * token_sums[mini[j]] for _, _, seq_w, mini, *_ in plan for j, w in enumerate(seq_w)) / len(plan)
     return {
         **base,
         **stats,
@@ -652,6 +682,8 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
         "update_s": dt,
         "tokens_per_s": total_tokens * ppo_epochs / dt,
         **(merge_metrics(merged_stats, samples, per_sample, stop_ids, len(plan)) if prefix_merge else {}),
+        **({"tree_pack_tokens": sum(p.tokens for *_, packs in plan for p in packs),
+            "tree_pack_row_tokens": sum(p.row_tokens for *_, packs in plan for p in packs)} if tree_packing else {}),
     }
 
 
@@ -927,6 +959,8 @@ class Trainer:
         if cfg.zero_stage == 3 and (cfg.logprob_chunk or cfg.lora_rank):
             raise ValueError("zero_stage 3 needs logprob_chunk=0 (chunked log-probs read the partitioned output "
                              "layer) and lora_rank=0 (adapters are small: ZeRO-2 holds them)")
+        if cfg.tree_packing and not cfg.logprob_chunk:
+            raise ValueError("tree_packing needs logprob_chunk > 0 (the packed forward's full logits would be [N, V])")
         #: rank 0 -> the other ranks: what to load and train (trainer/ranks.py); None with one rank
         self.channel: ranks.CommandChannel | None = None
 
@@ -1364,6 +1398,7 @@ class Trainer:
                 drop_zero_variance=self.cfg.drop_zero_variance,
                 negative_advantage_weight=self.cfg.negative_advantage_weight,
                 prefix_tree_advantage=self.cfg.prefix_tree_advantage, prefix_merge=self.cfg.prefix_merge,
+                tree_packing=self.cfg.tree_packing,
                 mini_batches=self.cfg.mini_batches, logprob_chunk=self.cfg.logprob_chunk,
                 temperature=self.settings.rollout_temperature)
             if self.channel is not None:  # the batch is fixed now; every rank trains its share of it

@@ -603,6 +603,11 @@ class TrainerConfig(Section):
                                  "behaviour log-prob and loss weight (trainer/prefix_merge.py, Agent Lightning's "
                                  "trajectory aggregation): the same loss with fewer tokens forwarded (0.56x for "
                                  "the math agent); false: one row per call", readers="trainer")
+    tree_packing: bool = setting(False, "forward each micro-batch's rows as one packed prefix tree, shared prefixes "
+                                 "(system prompt, tools, a group's question) once, each token attending only to "
+                                 "its own row (trainer/tree_pack.py, AReaL's tree training): the same log-probs and "
+                                 "gradients with fewer tokens forwarded; micro_batch_tokens then counts packed "
+                                 "tokens; needs logprob_chunk > 0", readers="trainer")
     kl_coef: float = setting(0.0, "weight of the k3 KL to the reference policy (a frozen copy of the base weights); "
                              "0: off, no reference model is loaded", readers="trainer")
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "

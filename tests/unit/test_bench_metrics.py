@@ -146,3 +146,10 @@ def test_prefix_tree_tokens_share_within_an_attempt_only():
                call("r2", 0, [1, 2, 3], [4])]  # another attempt shares nothing -> 4
     assert common_prefix([1, 2, 3], [1, 2, 7, 8]) == 2
     assert tree_tokens(samples) == 4 + 3 + 2 + 4
+
+
+def test_max_rel_diff_skips_figures_the_first_run_lacks():
+    from bench.metrics import max_rel_diff
+
+    assert max_rel_diff({"x": 2.0, "y": None}, {"x": 2.5, "y": 1.0}, ("x", "y")) == 0.25
+    assert max_rel_diff({"x": 0.0}, {"x": 1e-13}, ("x",)) == pytest.approx(0.1)

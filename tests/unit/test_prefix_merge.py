@@ -318,14 +318,14 @@ def earlier_update(calls: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
-def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
-    """On the math agent's calls (real token ids), one update with ``prefix_merge`` gives the
-    per-call update's loss, approx_kl and clip fraction, and each optimizer step's gradient, to
-    a max abs difference <= 1e-5 x the largest gradient entry (float32; measured here 2.0e-7 to
-    2.0e-6 of it, the largest with per_rollout_mean, whose loss is smallest: 3.9e-4)."""
-    calls = with_behaviour(math_group(tokenizer), tiny_policy())
-    options = dict(OPTIONS[name])
+def update_pair(tok, name: str, option: str, **fixed) -> tuple[tuple, tuple, dict]:
+    """train_update on the math agent's calls (:func:`math_group`, behaviour a little off the
+    policy) with the option set ``OPTIONS[name]`` (and ``fixed``), boolean ``option`` off and
+    then on, each from the same tiny policy through a :class:`GradEngine`; a ``kl_coef`` set gets
+    a reference model, a ``self_imitation`` set a replayed earlier group and a zero-variance group
+    dropped. Returns ``((metrics, step gradients) off, (...) on, the options)``."""
+    calls = with_behaviour(math_group(tok), tiny_policy())
+    options = {**OPTIONS[name], **fixed}
     if options.get("kl_coef"):
         options["ref_model"] = tiny_policy(seed=2).eval()
     replayed = []
@@ -337,14 +337,23 @@ def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
         replayed = earlier_update(calls)
         calls = calls + flat
     got = {}
-    for merge in (False, True):
+    for on in (False, True):
         if replayed:
             options["self_imitation"] = SelfImitationBuffer(2, loss="sil" if name.endswith("sil_loss") else "clipped")
             options["self_imitation"].add(positive_entries(replayed, [c["advantage"] for c in replayed]))
         engine = GradEngine(tiny_policy())
-        metrics = train.train_update(engine, copy.deepcopy(calls), prefix_merge=merge, **options)
-        got[merge] = (metrics, engine.grads)
-    (per_call, g_call), (merged, g_merged) = got[False], got[True]
+        metrics = train.train_update(engine, copy.deepcopy(calls), **{option: on}, **options)
+        got[on] = (metrics, engine.grads)
+    return got[False], got[True], options
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
+    """On the math agent's calls (real token ids), one update with ``prefix_merge`` gives the
+    per-call update's loss, approx_kl and clip fraction, and each optimizer step's gradient, to
+    a max abs difference <= 1e-5 x the largest gradient entry (float32; measured here 2.0e-7 to
+    2.0e-6 of it, the largest with per_rollout_mean, whose loss is smallest: 3.9e-4)."""
+    (per_call, g_call), (merged, g_merged), options = update_pair(tokenizer, name, "prefix_merge")
     assert len(g_call) == len(g_merged) == (1 if name in ("token_mean", "sequence_mean", "per_rollout_mean",
                                                           "full_logits_dr_grpo", "self_imitation_sil_loss") else 2)
     for a, b in zip(g_call, g_merged):
@@ -364,7 +373,8 @@ def test_merged_loss_and_gradient_equal_the_per_call_ones(tokenizer, name):
     assert merged["tokens"] == merged["prefix_merge_tokens"] < per_call["tokens"]
     if name == "prefix_tree_mini_batches_kl":  # content order cuts the episodes' chains
         assert merged["prefix_merge_mini_batch_cuts"] == merged["prefix_merge_rows"] - 5
-    elif replayed:  # 9 calls dropped (zero variance), the 5 positive earlier calls replayed: 2 rows more
+    elif name.startswith("self_imitation"):  # 9 calls dropped (zero variance), 5 positive earlier ones replayed:
+        # 2 rows more
         assert (merged["dropped_zero_variance"], merged["replayed"]) == (9, 5)
         assert (merged["prefix_merge_rows"], merged["prefix_merge_links"]) == (7, 7)
     else:
@@ -377,12 +387,18 @@ def test_prefix_merge_through_deepspeed_matches_per_call(tokenizer):
     gradient norm agree to 1e-5 relative, and the weights after the step to 1e-5 (measured: the
     same grad norm to every printed digit, weights 6.2e-7 apart at most; Adam's first step is
     ~lr x sign(g) = 1e-3, so a gradient entry that changed sign would show as ~2e-3)."""
-    calls = with_behaviour(math_group(tokenizer), tiny_policy())
+    deepspeed_updates_agree(with_behaviour(math_group(tokenizer), tiny_policy()), "prefix_merge")
+
+
+def deepspeed_updates_agree(calls: list[dict], option: str, **common) -> None:
+    """One train_update of ``calls`` through build_engine (DeepSpeed ZeRO-2, Adam, lr 1e-3, micro-batch 4)
+    with boolean ``option`` off and on (``common``: the other keywords of both): the loss and the gradient
+    norm agree to 1e-5 relative, the weights after the step to 1e-5 absolute."""
     out = {}
-    for merge in (False, True):
+    for on in (False, True):
         engine = train.build_engine(tiny_policy(), lr=1e-3, micro_batch=4)
-        m = train.train_update(engine, copy.deepcopy(calls), prefix_merge=merge, micro_batch=4)
-        out[merge] = (m, torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()]))
+        m = train.train_update(engine, copy.deepcopy(calls), micro_batch=4, **{option: on}, **common)
+        out[on] = (m, torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()]))
     (m0, w0), (m1, w1) = out[False], out[True]
     assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-5)
     assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
