@@ -80,7 +80,9 @@ def update_scalars(metrics: Mapping, samples: list[dict], trained_version: int) 
                      ("train/prefix_merge_rows", "prefix_merge_rows"),
                      ("train/prefix_merge_links", "prefix_merge_links"),
                      ("train/prefix_merge_tokens", "prefix_merge_tokens"),
-                     ("train/prefix_merge_tokens_per_call", "prefix_merge_tokens_per_call")):
+                     ("train/prefix_merge_tokens_per_call", "prefix_merge_tokens_per_call"),
+                     ("train/tree_pack_tokens", "tree_pack_tokens"),
+                     ("train/tree_pack_row_tokens", "tree_pack_row_tokens")):
         put(tag, metrics.get(key))
     for cause, n in (metrics.get("prefix_merge_breaks") or {}).items():  # prefix_merge on: breaks by cause
         put(f"prefix_merge/breaks_{cause}", n)

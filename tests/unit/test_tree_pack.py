@@ -13,7 +13,7 @@ import test_prefix_merge as pm  # the math agent's calls and the gradient-record
 from tiny_models import tiny_qwen2
 
 from spanrl.core.settings import TrainerConfig
-from spanrl.trainer import batching, train, tree_pack
+from spanrl.trainer import batching, tracking, train, tree_pack
 
 tokenizer = pm.tokenizer  # the module-scoped fixture: SmolLM2's tokenizer from the converted model
 
@@ -130,6 +130,9 @@ def test_tree_packed_update_equals_the_unpacked_one(tokenizer, name, merge):
         assert packed[key] == pytest.approx(plain[key]), key
     assert "tree_pack_tokens" not in plain
     assert packed["tree_pack_tokens"] < packed["tree_pack_row_tokens"]
+    scalars = tracking.update_scalars(packed, [], trained_version=0)
+    assert (scalars["train/tree_pack_tokens"], scalars["train/tree_pack_row_tokens"]) == (
+        packed["tree_pack_tokens"], packed["tree_pack_row_tokens"])
 
 
 def test_tree_packing_through_deepspeed_matches_unpacked(tokenizer):
