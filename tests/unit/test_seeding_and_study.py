@@ -209,7 +209,7 @@ def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
         "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0, "stage_timeout_s": 2400.0},
         "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
     assert demo_plan(agent_spec("rag"), "qwen2.5-coder-0.5b") == {
-        "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
+        "size": {"iterations": 3, "tasks": 8, "group_size": 4, "heldout_tasks": 200},
         "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0, "stage_timeout_s": 2400.0},
         "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
     assert demo_plan(agent_spec("rag"), "smollm2-135m")["size"] == {
