@@ -72,8 +72,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def pack_rows(rows: list[list[int]]) -> TreePack:
-    """The prefix-tree packing of ``rows`` (token-id lists, each non-empty).
+def pack_rows(rows: list[list[int]], width: int | None = None) -> TreePack:
+    """The prefix-tree packing of ``rows`` (token-id lists, each non-empty); ``index`` is
+    ``[B, width]`` (default: the longest row's length), to line up with a padded batch.
 
     Rows are laid out in lexicographic order; each adds the tokens past its longest common
     prefix with the row before it (a row equal to or a prefix of an earlier one adds nothing).
@@ -92,6 +93,10 @@ def pack_rows(rows: list[list[int]]) -> TreePack:
         raise ValueError("pack_rows got an empty row")
     order = sorted(range(len(rows)), key=lambda r: rows[r])
     T = max(len(r) for r in rows)
+    if width is not None:
+        if width < T:
+            raise ValueError(f"width {width} < the longest row's {T} tokens")
+        T = width
     index = torch.zeros((len(rows), T), dtype=torch.long)
     ids: list[int] = []
     pos: list[int] = []
@@ -119,7 +124,7 @@ def pack_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TreePac
     """:func:`pack_rows` of a right-padded batch (``batching.Batch``'s ``input_ids`` and
     ``attention_mask``, ``[B, T]``): row b is ``input_ids[b, :attention_mask[b].sum()]``."""
     lengths = attention_mask.sum(dim=1).tolist()
-    return pack_rows([input_ids[b, :n].tolist() for b, n in enumerate(lengths)])
+    return pack_rows([input_ids[b, :n].tolist() for b, n in enumerate(lengths)], width=input_ids.shape[1])
 
 
 def unpack_hidden(hidden: torch.Tensor, pack: TreePack, window: int) -> torch.Tensor:

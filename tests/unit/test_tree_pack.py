@@ -44,6 +44,9 @@ def test_pack_rows_equal_rows_prefix_rows_and_no_sharing():
         tree_pack.pack_rows([])
     with pytest.raises(ValueError, match="empty row"):
         tree_pack.pack_rows([[1], []])
+    assert tree_pack.pack_rows([[1, 2], [1]], width=4).index.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="width 1"):
+        tree_pack.pack_rows([[1, 2]], width=1)
 
 
 def test_pack_batch_reads_the_right_padded_rows():
