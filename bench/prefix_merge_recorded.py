@@ -22,15 +22,7 @@ import json
 import time
 from pathlib import Path
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The number of leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from spanrl.trainer.tree_pack import common_prefix
 
 
 def tree_tokens(samples: list[dict]) -> int:

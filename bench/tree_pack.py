@@ -39,7 +39,7 @@ def demo_trainer_config(model: str):
     from spanrl.core.settings import TrainerConfig
 
     env = {**DEMO_TRAINER_ENV, **demo_plan(agent_spec("rag"), model)["trainer_env"]}
-    return TrainerConfig(**{k.removeprefix("SPANRL_TRAINER_").lower(): v for k, v in env.items()})
+    return TrainerConfig.from_environ(env)
 
 
 def pick_groups(samples: list[dict], version: int, groups: int) -> list[dict]:

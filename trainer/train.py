@@ -535,8 +535,7 @@ def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_ba
     minis = losses.mini_batch_indices(keys, mini_batches)
     per_sample = advantages if per_token is None else per_token
     stop_ids = eos_token_ids(engine) if prefix_merge else None
-    if tree_packing and not logprob_chunk:
-        raise ValueError("tree_packing needs logprob_chunk > 0 (the packed forward's full logits would be [N, V])")
+    tree_pack.check_tree_packing(tree_packing, logprob_chunk)
     merged_stats = {"rows": 0, "links": 0, "breaks": dict.fromkeys(BREAK_CAUSES, 0), "tokens": 0, "tokens_per_call": 0}
     plan = []  # per mini-batch: (micro-batches, their token weights [B, T], per-sample weights, sample indices)
     for mini in minis:
@@ -959,8 +958,7 @@ class Trainer:
         if cfg.zero_stage == 3 and (cfg.logprob_chunk or cfg.lora_rank):
             raise ValueError("zero_stage 3 needs logprob_chunk=0 (chunked log-probs read the partitioned output "
                              "layer) and lora_rank=0 (adapters are small: ZeRO-2 holds them)")
-        if cfg.tree_packing and not cfg.logprob_chunk:
-            raise ValueError("tree_packing needs logprob_chunk > 0 (the packed forward's full logits would be [N, V])")
+        tree_pack.check_tree_packing(cfg.tree_packing, cfg.logprob_chunk)
         #: rank 0 -> the other ranks: what to load and train (trainer/ranks.py); None with one rank
         self.channel: ranks.CommandChannel | None = None
 

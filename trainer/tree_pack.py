@@ -62,6 +62,13 @@ class TreePack:
         return sum(self.lengths)
 
 
+def check_tree_packing(tree_packing: bool, logprob_chunk: int) -> None:
+    """ValueError when ``tree_packing`` is on with ``logprob_chunk`` 0: the packed forward's full
+    logits would be ``[N, V]`` (trainer/train.py's chunked log-probs read only the rows' windows)."""
+    if tree_packing and not logprob_chunk:
+        raise ValueError("tree_packing needs logprob_chunk > 0 (the packed forward's full logits would be [N, V])")
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of token lists ``a`` and ``b``.
     Example: [1, 2, 3], [1, 2, 4, 5] -> 2."""
