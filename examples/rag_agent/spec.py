@@ -5,6 +5,7 @@ Both agents of the default path train; evaluation reads ``correct`` as success a
 """
 
 from examples.agents import QWEN05B_LORA_DEMO
+from spanrl.core.settings import TrainerConfig
 
 from .tasks import HELDOUT_SEED, TRAIN_SEED, load_tasks
 
@@ -23,9 +24,14 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: reward, fresh clones (LEARNING.md, issue 19): with 4 questions x 5 iterations seed 0 (session 33)
 #: 0.568 -> 0.750, +0.182 [+0.138, +0.229] and seed 1 (``SPANRL_SEED=1``, session 38) 0.564 -> 0.549,
 #: -0.015 [-0.048, +0.020]: one seed of two; with 8 x 3, seed 0 (session 40) 0.564 -> 0.629, +0.065
-#: [+0.022, +0.107], 121 min; its seed 1 not run yet
-DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {**QWEN05B_LORA_DEMO,
-                                        "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8, "iterations": 3}}}
+#: [+0.022, +0.107], 121 min (updates 85 of them). Its trainer packs each micro-batch as a prefix
+#: tree (``SPANRL_TRAINER_TREE_PACKING``, trainer/tree_pack.py: the same log-probs and gradients to
+#: 1e-5; one update of 24 recorded samples 0.544x the time, BENCHMARKS.md): the agents' calls share
+#: their system prompt and worked turns, a group's calls their question. Seed 0 ran unpacked.
+DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {
+    **QWEN05B_LORA_DEMO,
+    "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8, "iterations": 3},
+    "trainer_env": {**QWEN05B_LORA_DEMO["trainer_env"], **TrainerConfig.env(tree_packing=True)}}}
 
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED",
            "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO", "DEMO_BY_MODEL"]

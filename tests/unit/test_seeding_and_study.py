@@ -211,7 +211,8 @@ def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
     assert demo_plan(agent_spec("rag"), "qwen2.5-coder-0.5b") == {
         "size": {"iterations": 3, "tasks": 8, "group_size": 4, "heldout_tasks": 200},
         "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0, "stage_timeout_s": 2400.0},
-        "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5"}}
+        "trainer_env": {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "5e-5",
+                        "SPANRL_TRAINER_TREE_PACKING": "true"}}
     assert demo_plan(agent_spec("rag"), "smollm2-135m")["size"] == {
         "iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
     assert demo_plan(agent_spec("math"), "qwen2.5-coder-0.5b") == {
