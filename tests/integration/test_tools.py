@@ -4,7 +4,9 @@ spanrl's chat template. Each call is recorded with the exact tokens the parser r
 
 The tools' arguments are enums and the tools ``strict``: vLLM then constrains the arguments to
 the schema (``--tool-strict-level`` auto honours a tool's ``strict``), so a named or required
-``tool_choice`` completes within a few dozen tokens whatever the policy weights are.
+``tool_choice`` completes within a few dozen tokens whatever the policy weights are. The RAG agent's
+``search`` takes a free-string query, which a sampled forced call can run past its token budget
+(test_rag_agent_tool_path_against_the_stack says how that test allows for it).
 """
 from __future__ import annotations
 
