@@ -5,7 +5,8 @@ callable, ``module:attribute``), ``TRAIN_AGENTS`` (``SPANRL_TRAIN_AGENTS`` of it
 agents whose calls train; empty: all), ``AGENT_NAMES``, ``load_tasks(split, seed, size)``
 (split ``train`` | ``heldout``), ``TRAIN_SEED``, ``HELDOUT_SEED``, ``SUCCESS_COMPONENT``,
 ``FORMAT_COMPONENT`` and ``DEMO`` (iterations, tasks, group_size, heldout_tasks); optionally
-``DEMO_BY_MODEL`` (the demo with another base policy: :func:`demo_plan`).
+``DEMO_BY_MODEL`` (the demo with another base policy: :func:`demo_plan`) and ``task_kind(task)``
+(the group a task is reported in: :func:`task_kind`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def demo_plan(spec: ModuleType, model: str) -> dict[str, dict[str, Any]]:
     over = getattr(spec, "DEMO_BY_MODEL", {}).get(model, {})
     return {"size": {**spec.DEMO, **over.get("size", {})}, "options": dict(over.get("options", {})),
             "trainer_env": dict(over.get("trainer_env", {}))}
+
+
+def task_kind(spec: ModuleType, task: dict[str, Any]) -> str:
+    """The group ``task`` is reported in by the main job's per-kind breakdown (the summary's
+    ``heldout_per_kind`` and ``heldout_per_kind_paired``): ``spec.task_kind(task)`` when the spec
+    defines it (the SQL agent's easy | hard level, the RAG agent's question template), else the
+    task's ``metadata.kind`` (the math agent's operator kinds), else ``"all"``."""
+    fn = getattr(spec, "task_kind", None)
+    return str(fn(task)) if fn is not None else str(task.get("metadata", {}).get("kind", "all"))
 
 
 def load_split(task_set: str, seed: int, size: int) -> list[dict[str, Any]]:

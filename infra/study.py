@@ -12,8 +12,9 @@ seed; producers/seeding.py), each on a fresh stack run, and reports per seed and
 - pooled over seeds: the Student-t interval of the per-seed differences (run-to-run spread,
   :func:`spanrl.core.intervals.t_interval`) and the paired bootstrap of the per-task
   differences averaged over seeds (:func:`spanrl.core.intervals.pooled_paired_difference`);
-- correct rate per task kind, calculator use, LLM calls per episode, the log-prob shift of
-  iteration 0's completions, the out-of-distribution (``gsm_symbolic``) paired differences;
+- correct rate and mean reward per task kind (and final - base per kind, paired), calculator
+  use, LLM calls per episode, the log-prob shift of iteration 0's completions, the
+  out-of-distribution (``gsm_symbolic``) paired differences;
 - every seed's training curve in one PNG; the settings.
 
 :func:`study_report` is pure (summaries and episode lists in, report out); :func:`run_study`
@@ -122,6 +123,8 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
                 k: v.get("delta") for k, v in ((summ.get("logprob_shift_of_all_completions") or {}).get("all")
                                                or {}).items()},
             "heldout_per_kind": summ.get("heldout_per_kind"),
+            # final - base per kind, paired (absent before session 42)
+            "heldout_per_kind_paired": summ.get("heldout_per_kind_paired"),
             "tool_use_and_calls": {m: {p: {"tool_use_rate": r.get("tool_use_rate"),
                                            "mean_llm_calls": r.get("mean_llm_calls")}
                                        for p, r in summ["heldout"][m]["policies"].items()}

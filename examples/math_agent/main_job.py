@@ -477,19 +477,43 @@ def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console
 
 
 def per_kind(report: dict, kinds: dict[str, str]) -> dict[str, dict]:
-    """Correct rate per task kind and policy of an evaluation report: ``{kind: {policy:
-    {"episodes", "correct"}}}``, ``kinds`` mapping task id -> kind (tasks' ``metadata.kind``;
-    tasks without one count as ``"all"``). Example: two ``add`` episodes of base, one correct:
-    ``{"add": {"base": {"episodes": 2, "correct": 0.5}}}``."""
+    """Correct rate and mean reward per task kind and policy of an evaluation report: ``{kind:
+    {policy: {"episodes", "correct", "reward"}}}``, ``kinds`` mapping task id -> kind
+    (:func:`examples.agents.task_kind`; tasks not in it count as ``"all"``). Example: two
+    ``add`` episodes of base, one correct with reward 1, one wrong with reward 0: ``{"add":
+    {"base": {"episodes": 2, "correct": 0.5, "reward": 0.5}}}``."""
     out: dict[str, dict] = {}
     for policy, rep in report["policies"].items():
-        counts: dict[str, list[int]] = {}
+        counts: dict[str, list[float]] = {}
         for e in rep["per_episode"]:
-            c = counts.setdefault(kinds.get(e["task_id"], "all"), [0, 0])
+            c = counts.setdefault(kinds.get(e["task_id"], "all"), [0, 0, 0.0])
             c[0] += 1
             c[1] += 1 if e["components"].get("correct", 0) > 0 else 0
-        for kind, (n, k) in sorted(counts.items()):
-            out.setdefault(kind, {})[policy] = {"episodes": n, "correct": k / n}
+            c[2] += e["reward"]
+        for kind, (n, k, r) in sorted(counts.items()):
+            out.setdefault(kind, {})[policy] = {"episodes": n, "correct": k / n, "reward": round(r / n, 6)}
+    return out
+
+
+def per_kind_paired(report: dict, kinds: dict[str, str]) -> dict[str, dict]:
+    """The paired differences of every later policy against the first (base), per task kind:
+    ``{kind: {"<policy> - <first>": paired report}}`` with the shape of the report's own
+    ``paired`` (mean reward and success rate per task, paired bootstrap 95% intervals, tasks;
+    ``spanrl.infra.evaluation.pair_against_first``) over the kind's tasks only. ``kinds`` as
+    :func:`per_kind`'s. A kind whose tasks the policies do not share gets ``{"error": reason}``
+    instead of a crash at the end of a run."""
+    from spanrl.infra.evaluation import EvalError, pair_against_first
+
+    kind_of = {e["task_id"]: kinds.get(e["task_id"], "all")
+               for rep in report["policies"].values() for e in rep["per_episode"]}
+    out: dict[str, dict] = {}
+    for kind in sorted(set(kind_of.values())):
+        subset = {policy: {"per_episode": [e for e in rep["per_episode"] if kind_of[e["task_id"]] == kind]}
+                  for policy, rep in report["policies"].items()}
+        try:
+            out[kind] = pair_against_first(subset)
+        except EvalError as exc:
+            out[kind] = {"error": str(exc)}
     return out
 
 
@@ -497,7 +521,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     """Evaluate the base policy on the held-out tasks, run ``cfg.iterations`` iterations,
     evaluate the final policy on the same held-out tasks; write summary.json,
     reward_curve.png and heldout-<mode>.json/.png; return the summary."""
-    from examples.agents import disjoint, load_split
+    from examples.agents import agent_spec, disjoint, load_split, task_kind
     from spanrl.infra.evaluation import merge_reports, write_report
 
     s = settings or get_settings()
@@ -583,7 +607,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             ood_reports[mode] = base_ood[mode] if final_spec == "base" else \
                 merge_reports(base_ood[mode], _heldout_eval(cfg, s, final_spec, mode, console, ood=True))
             write_report(ood_reports[mode], out, f"ood-{mode}", s)
-    kinds = {t["task_id"]: t.get("metadata", {}).get("kind", "all") for t in heldout_set} if modes else {}
+    kinds = {t["task_id"]: task_kind(agent_spec(cfg.agent), t) for t in heldout_set} if modes else {}
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
         for name, c in r.agents.items():
@@ -609,6 +633,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "logprob_shift_of_all_completions": shift_all,
         "heldout": {mode: _heldout_summary(r) for mode, r in heldout.items()},
         "heldout_per_kind": {mode: per_kind(r, kinds) for mode, r in heldout.items()},
+        "heldout_per_kind_paired": {mode: per_kind_paired(r, kinds) for mode, r in heldout.items()},
         "ood": {mode: _heldout_summary(r) for mode, r in ood_reports.items()},
         "training_wall_s": round(train_s, 1),
         "wall_s": round(time.monotonic() - t_start, 1),
@@ -618,6 +643,12 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
                   **{f"ood_{m}": str(out / f"ood-{m}.json") for m in ood_reports}},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for mode, kinds_paired in summary["heldout_per_kind_paired"].items():
+        for kind, pairs in kinds_paired.items():
+            for name, p in pairs.items():
+                console.print(f"held-out {mode}, {kind}: " + (f"not paired: {p}" if name == "error" else
+                              f"{name} over {p['tasks']} tasks: reward {_interval_text(p['mean_reward'])}, "
+                              f"success {_interval_text(p['success_rate'])}"))
     _plot(results, summary["heldout"], out / "reward_curve.png")
     return summary
 
@@ -640,6 +671,11 @@ def _trainer_updates(s: Settings) -> list[dict]:
             if e.get("event") == "update":
                 out.append({k: e[k] for k in keys if k in e})
     return out
+
+
+def _interval_text(iv: dict) -> str:
+    """``+0.065 [+0.022, +0.107]`` of an interval's ``as_dict()``."""
+    return f"{iv['estimate']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
 
 
 def _heldout_summary(report: dict) -> dict:

@@ -34,5 +34,11 @@ DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {
     "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8, "iterations": 3},
     "trainer_env": {**QWEN05B_LORA_DEMO["trainer_env"], **TrainerConfig.env(tree_packing=True)}}}
 
+
+def task_kind(task: dict) -> str:
+    """The question's template (``city_currency``, ...): the group the main job reports it in."""
+    return task["metadata"]["template"]
+
+
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED",
-           "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO", "DEMO_BY_MODEL"]
+           "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO", "DEMO_BY_MODEL", "task_kind"]

@@ -25,5 +25,12 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {**QWEN05B_LORA_DEMO,
                                         "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8}}}
 
+
+def task_kind(task: dict) -> str:
+    """The task's level, ``easy`` or ``hard`` (issue 19 reports them apart): the group the main
+    job reports it in."""
+    return task["level"]
+
+
 __all__ = ["NAME", "RUNNER", "TRAIN_AGENTS", "AGENT_NAMES", "SUCCESS_COMPONENT", "FORMAT_COMPONENT", "DEMO",
-           "DEMO_BY_MODEL", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED"]
+           "DEMO_BY_MODEL", "load_tasks", "TRAIN_SEED", "HELDOUT_SEED", "task_kind"]

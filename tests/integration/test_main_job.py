@@ -54,6 +54,10 @@ def test_short_main_job(main_job, settings, tmp_path):
         kinds = summary["heldout_per_kind"][mode]
         assert sum(k["base"]["episodes"] for k in kinds.values()) == 4
         assert all(set(k) == {"base", final} for k in kinds.values())
+        # the paired final - base per kind covers each kind's tasks once
+        paired = summary["heldout_per_kind_paired"][mode]
+        assert set(paired) == set(kinds)
+        assert sum(p[f"{final} - base"]["tasks"] for p in paired.values()) == 4
     assert summary["seed"] == settings.seed
     # every call is the AutoGen math_agent's, named by AutoGen's telemetry, and trained (no
     # selection in the stack the tests start): calls per agent add up to the transitions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from examples.agents import AGENTS, agent_spec, disjoint, load_split
+from examples.agents import AGENTS, agent_spec, disjoint, load_split, task_kind
 from spanrl.infra.evaluation import load_agent
 from spanrl.stream_jobs.assembly import parse_train_agents
 
@@ -21,6 +21,20 @@ def test_spec_interface_and_split(name):
     held = spec.load_tasks("heldout", spec.HELDOUT_SEED, 20)
     assert len(train) == len(held) == 20 and disjoint(train, held)
     assert len({t["task_id"] for t in train}) == 20
+    assert all(isinstance(task_kind(spec, t), str) and task_kind(spec, t) for t in train + held)
+
+
+def test_task_kinds_of_each_agent():
+    """The groups the main job's per-kind breakdown reports: the RAG question's template (its
+    task id is ``rag-<template>-...``), the SQL task's level, the math task's operator kind."""
+    rag = agent_spec("rag").load_tasks("heldout", agent_spec("rag").HELDOUT_SEED, 30)
+    assert all(t["task_id"].startswith(f"rag-{task_kind(agent_spec('rag'), t)}-") for t in rag)
+    assert len({task_kind(agent_spec("rag"), t) for t in rag}) > 1
+    sql = agent_spec("sql").load_tasks("heldout", agent_spec("sql").HELDOUT_SEED, 30)
+    assert {task_kind(agent_spec("sql"), t) for t in sql} == {"easy", "hard"}
+    math = load_split("arith_word", 1000, 20)
+    assert {task_kind(agent_spec("math"), t) for t in math} == {t["metadata"]["kind"] for t in math}
+    assert task_kind(agent_spec("math"), {"task_id": "x"}) == "all"
 
 
 def test_load_split_and_unknown_names():

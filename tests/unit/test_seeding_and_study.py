@@ -160,10 +160,40 @@ def test_per_kind_breakdown():
     from examples.math_agent.main_job import per_kind
 
     rep = {"policies": {"base": {"per_episode": [
-        {"task_id": "a", "components": {"correct": 1}}, {"task_id": "b", "components": {"correct": 0}},
-        {"task_id": "c", "components": {"correct": 1}}]}}}
+        {"task_id": "a", "reward": 1.0, "components": {"correct": 1}},
+        {"task_id": "b", "reward": 0.25, "components": {"correct": 0}},
+        {"task_id": "c", "reward": 0.5, "components": {"correct": 1}}]}}}
     assert per_kind(rep, {"a": "add", "b": "add", "c": "mul"}) == {
-        "add": {"base": {"episodes": 2, "correct": 0.5}}, "mul": {"base": {"episodes": 1, "correct": 1.0}}}
+        "add": {"base": {"episodes": 2, "correct": 0.5, "reward": 0.625}},
+        "mul": {"base": {"episodes": 1, "correct": 1.0, "reward": 0.5}}}
+
+
+def _episode(task_id, reward, correct):
+    return {"task_id": task_id, "rollout_id": f"r-{task_id}", "status": "succeeded", "reward": reward,
+            "components": {"correct": correct}}
+
+
+def test_per_kind_paired_differences():
+    """Final - base per kind over that kind's tasks only: kind ``add`` (a: 0 -> 1, b: 0.5 -> 0.5)
+    gains +0.5 in reward and in success; kind ``mul`` (c: 1 -> 0) loses 1; a kind only one
+    policy ran is an error entry, not a crash."""
+    from examples.math_agent.main_job import per_kind_paired
+
+    rep = {"policies": {
+        "base": {"per_episode": [_episode("a", 0.0, 0), _episode("b", 0.5, 1), _episode("c", 1.0, 1),
+                                 _episode("d", 0.3, 0)]},
+        "run:3": {"per_episode": [_episode("a", 1.0, 1), _episode("b", 0.5, 1), _episode("c", 0.0, 0)]}}}
+    out = per_kind_paired(rep, {"a": "add", "b": "add", "c": "mul", "d": "div"})
+    assert sorted(out) == ["add", "div", "mul"]
+    add = out["add"]["run:3 - base"]
+    assert add["tasks"] == 2 and add["mean_reward"]["estimate"] == pytest.approx(0.5)
+    assert add["success_rate"]["estimate"] == pytest.approx(0.5)
+    assert add["mean_reward"]["method"] == "paired-bootstrap" and add["mean_reward"]["n"] == 2
+    mul = out["mul"]["run:3 - base"]
+    assert (mul["tasks"], mul["mean_reward"]["estimate"], mul["mean_reward"]["low"]) == (1, -1.0, -1.0)
+    assert out["div"] == {"error": "the two policies share no task"}
+    # one policy: nothing to pair
+    assert per_kind_paired({"policies": {"base": rep["policies"]["base"]}}, {}) == {"all": {}}
 
 
 def test_compare_repeat():
