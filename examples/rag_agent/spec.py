@@ -24,11 +24,12 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: reward, fresh clones (LEARNING.md, issue 19): with 4 questions x 5 iterations seed 0 (session 33)
 #: 0.568 -> 0.750, +0.182 [+0.138, +0.229] and seed 1 (``SPANRL_SEED=1``, session 38) 0.564 -> 0.549,
 #: -0.015 [-0.048, +0.020]: one seed of two; with 8 x 3, seed 0 (session 40) 0.564 -> 0.629, +0.065
-#: [+0.022, +0.107], 121 min (updates 85 of them), seed 1 (session 41) +0.012 [-0.017, +0.041]: one
-#: seed of two again. Its trainer packs each micro-batch as a prefix tree
-#: (``SPANRL_TRAINER_TREE_PACKING``, trainer/tree_pack.py: the same log-probs and gradients to 1e-5;
-#: one update of 24 recorded samples 0.544x the time, BENCHMARKS.md): the agents' calls share their
-#: system prompt and worked turns, a group's calls their question. Seed 0 ran unpacked, seed 1 packed.
+#: [+0.022, +0.107], 121 min (updates 85 of them), seed 1 (session 41) +0.012 [-0.017, +0.041], seed 2
+#: (session 42) +0.041 [+0.008, +0.075], 135 min: two seeds of three. Its trainer packs each
+#: micro-batch as a prefix tree (``SPANRL_TRAINER_TREE_PACKING``, trainer/tree_pack.py: the same
+#: log-probs and gradients to 1e-5; one update of 24 recorded samples 0.544x the time, BENCHMARKS.md):
+#: the agents' calls share their system prompt and worked turns, a group's calls their question. Seed
+#: 0 ran unpacked, seeds 1 and 2 packed.
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {
     **QWEN05B_LORA_DEMO,
     "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8, "iterations": 3},
