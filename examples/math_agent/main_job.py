@@ -607,7 +607,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             ood_reports[mode] = base_ood[mode] if final_spec == "base" else \
                 merge_reports(base_ood[mode], _heldout_eval(cfg, s, final_spec, mode, console, ood=True))
             write_report(ood_reports[mode], out, f"ood-{mode}", s)
-    kinds = {t["task_id"]: task_kind(agent_spec(cfg.agent), t) for t in heldout_set} if modes else {}
+    spec = agent_spec(cfg.agent)
+    kinds = {t["task_id"]: task_kind(spec, t) for t in heldout_set} if modes else {}
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
         for name, c in r.agents.items():
@@ -724,7 +725,7 @@ def _plot(results: list[IterationResult], heldout: dict, path: Path) -> None:
                        capsize=3, color=f"C{i}", label=("base" if p == "base" else "final") if j == 0 else None)
             for d in h["paired"].values():
                 iv = d["success_rate"]
-                title.append(f"{mode}: final - base {iv['estimate']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]")
+                title.append(f"{mode}: final - base {_interval_text(iv)}")
         first = heldout[modes[0]]
         n = next(iter(first["policies"].values()))["episodes"]
         bx.set_xticks(range(len(modes)), [f"{m}\n(T={'agent' if heldout[m]['temperature'] is None else heldout[m]['temperature']})"
