@@ -9,7 +9,7 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
+.PHONY: bootstrap demo study test test-slow test-unit up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -25,12 +25,20 @@ demo: bootstrap
 study: bootstrap
 	$(PY) -m spanrl.infra.cli study $(ARGS)
 
-## Unit + integration tests against the real local stack (what .ci/run calls).
+## Unit + integration tests against the real local stack, the slow tier left out (what .ci/run
+## calls; <= 20 min with the cache present). ARGS="tests/unit/test_x.py": just those.
 test: bootstrap
-	$(PY) -m spanrl.infra.cli test $(ARGS)
+	$(PY) -m spanrl.infra.cli test --tier fast $(ARGS)
 
+## The slow tier (tests marked slow: multi-broker, multi-rank at ZeRO 2/3, the second vLLM,
+## restarts and outages); must pass before a change to stream_jobs/, trainer/, infra/stack.py
+## or infra/replay.py is merged (DEVELOPERS.md).
+test-slow: bootstrap
+	$(PY) -m spanrl.infra.cli test --tier slow $(ARGS)
+
+## The unit tests alone (no stack), in parallel.
 test-unit: bootstrap
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -p xdist -n 2
 
 up: bootstrap
 	$(PY) -m spanrl.infra.cli stack up $(ARGS)

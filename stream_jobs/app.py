@@ -93,6 +93,7 @@ class StreamConfig:
     retain_max: int = _S("stream_retain_max")
     tick_s: float = _S("stream_tick_s")
     commit_interval_s: float = _S("stream_commit_interval_s")
+    session_timeout_s: float = _S("stream_session_timeout_s")
     linger_s: float = _S("stream_linger_s")
     payload_bucket: str = Settings.default("payload_bucket")
     claim_retry_s: float = _S("claim_retry_s")
@@ -135,6 +136,7 @@ class StreamConfig:
             retain_max=st.stream_retain_max,
             tick_s=st.stream_tick_s,
             commit_interval_s=st.stream_commit_interval_s,
+            session_timeout_s=st.stream_session_timeout_s,
             linger_s=st.stream_linger_s,
             payload_bucket=s.payload_bucket,
             claim_retry_s=st.claim_retry_s,
@@ -204,6 +206,9 @@ def _faust_app(cfg: StreamConfig) -> faust.App:
         # transaction commits, every broker_commit_interval (Faust default 2.8 s); the
         # bench profile showed this wait, not CPU, bounding reward -> transition latency
         broker_commit_interval=cfg.commit_interval_s,
+        # a killed worker's partitions move after this long without its heartbeats (Faust's
+        # default 60 s; heartbeats every broker_heartbeat_interval, Faust's default 3 s)
+        broker_session_timeout=cfg.session_timeout_s,
         producer_max_request_size=MAX_RECORD_BYTES,
         # Faust sends every record as soon as it is queued (linger 0): one produce request
         # per changelog write/output. Batching them for 20 ms cut the worker's CPU per

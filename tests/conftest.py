@@ -11,12 +11,35 @@ from spanrl.core.settings import get_settings
 _REPORTS = pytest.StashKey[dict]()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``stack_trainer`` run first, in their collected order. They ask the test
+    stack's trainer (barrier batching) for an update, which trains every sample before the
+    offsets they name: run first, an update holds their own samples only; after other tests'
+    rollouts it holds those too and takes minutes longer. Only the time depends on the order,
+    not the result (a shuffled order, ``-p random_order --random-order``, shuffles after this)."""
+    items.sort(key=lambda item: item.get_closest_marker("stack_trainer") is None)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item (for :func:`_drop_tmp_path_once_passed`)."""
     outcome = yield
     report = outcome.get_result()
     item.stash.setdefault(_REPORTS, {})[report.when] = report
+    if report.failed and "Timeout (>" in str(report.longrepr):
+        report.sections.append(("timeout", timeout_reason(item, report.when)))
+
+
+def timeout_reason(item, when: str) -> str:
+    """What a pytest-timeout failure means: which limit ran out, in which phase, and where
+    to look (a hang, not a slow machine, when the limit is far above the test's usual time)."""
+    marker = item.get_closest_marker("timeout")
+    limit = (f"@pytest.mark.timeout({marker.args[0]})" if marker and marker.args
+             else f"the suite's timeout = {item.config.getini('timeout')} s (pyproject.toml)")
+    return (f"{item.nodeid} ran out of {limit} during {when}; the thread stacks above show where it "
+            f"waited. `make test` prints the 30 slowest tests of each run: a test far below its limit "
+            f"there hung here.")
 
 
 @pytest.fixture(autouse=True)

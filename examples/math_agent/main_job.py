@@ -37,6 +37,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
 from spanrl.core.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
+from spanrl.infra.admin import request_training
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
@@ -209,15 +210,6 @@ def samples_missing(ours: set[str], accounts: list[dict], samples: list[dict], d
     return want - {(x["transition"]["rollout_id"], x["transition"]["span_id"]) for x in samples}
 
 
-def _request_training(s: Settings, samples_next: dict[int, int]) -> dict:
-    """Ask a barrier-batching trainer to train every sample below ``samples_next``
-    (partition -> the offset after the iteration's last sample) as one update."""
-    r = httpx.post(f"http://{s.host}:{s.trainer_port}/admin/train", timeout=30,
-                   json={"until": {f"{T.SAMPLES.name}:{p}": off for p, off in sorted(samples_next.items())}})
-    r.raise_for_status()
-    return r.json()
-
-
 def _served_version(s: Settings) -> int:
     return int(_get_json(f"http://{s.host}:{s.reloader_port}/status").get("served_version") or 0)
 
@@ -312,7 +304,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     # A trainer with barrier batching trains exactly this iteration's samples when asked.
     progress.update(bar, description=f"iter {it}: training + reload", total=None)
     if samples and _trainer_status(s).get("batching") == "barrier":
-        _request_training(s, samples_next)
+        request_training(s, samples_next)
     deadline = time.monotonic() + cfg.stage_timeout_s
     while samples and time.monotonic() < deadline:
         absorb(await reader.poll())

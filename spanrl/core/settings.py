@@ -497,6 +497,11 @@ class StreamSettings(Section):
     stream_tick_s: float = setting(0.5, "tick period (timeouts are evaluated on ticks)", unit="s", readers="stream")
     stream_commit_interval_s: float = setting(0.5, "Faust's broker commit interval (outputs become visible at "
                                               "commits)", unit="s", readers="stream")
+    stream_session_timeout_s: float = setting(60.0, "Faust's broker session time-out: a worker that stops "
+                                              "heartbeating (SIGKILL) keeps its partitions this long before a "
+                                              "restarted or surviving worker takes them over; Kafka accepts 6-1800 "
+                                              "(group.min/max.session.timeout.ms); the test stack and `make chaos` "
+                                              "use 10", unit="s", readers="stream")
     stream_linger_s: float = setting(0.02, "producer linger: changelog writes and outputs are batched this long",
                                      unit="s", readers="stream")
     claim_retry_s: float = setting(30.0, "how long an unreachable MinIO is retried before `claim_unresolved`",
@@ -509,6 +514,15 @@ class StreamSettings(Section):
     @classmethod
     def _switch(cls, value):
         return _falsy_off(value)
+
+    @field_validator("stream_session_timeout_s")
+    @classmethod
+    def _broker_accepts(cls, value: float) -> float:
+        # Kafka's group coordinator refuses a JoinGroup outside [group.min.session.timeout.ms,
+        # group.max.session.timeout.ms] (defaults 6 s and 30 min): the worker would never join
+        if not 6.0 <= value <= 1800.0:
+            raise ValueError(f"must be within 6-1800 s (Kafka's default session time-out bounds), got {value}")
+        return value
 
     @field_validator("stream_retain_max")
     @classmethod

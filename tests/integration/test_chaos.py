@@ -9,7 +9,7 @@ import pytest
 
 from spanrl.infra.chaos import ChaosConfig, run_fault
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.stack_trainer]
 
 
 def test_worker_sigkill_loses_and_duplicates_nothing(stack, tmp_path):

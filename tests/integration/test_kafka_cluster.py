@@ -16,6 +16,9 @@ from spanrl.infra.stack import Stack, kafka_node_names
 from spanrl.producers.kafka import create_topics, make_producer
 from spanrl.schemas import topics as T
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
 TOPIC = T.Topic("cluster-test", "rollout_id", "span", 3)
 
 

@@ -15,7 +15,7 @@ from spanrl.schemas import topics as T
 from spanrl.infra.ledger import expected_advantage
 from spanrl.trainer import checkpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.stack_trainer]
 
 
 @pytest.fixture(scope="module")

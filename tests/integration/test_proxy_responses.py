@@ -234,6 +234,7 @@ def test_langchain_use_responses_api_stream(stack, settings, tokenizer):
     assert_answer_is_the_call(span, message.text, usage["input_tokens"], usage["output_tokens"], tokenizer)
 
 
+@pytest.mark.slow
 def test_streamed_response_without_kafka_ends_with_an_error_event(stack, settings):
     """Kafka unreachable: the text streams, then an ``error`` event ``kafka_unavailable``
     instead of ``response.completed``; the Agents SDK and LangChain raise on it."""

@@ -286,7 +286,7 @@ def test_stream_without_kafka_never_says_done(proxy):
                 texts.append(c.choices[0].delta.content)
         assert "kafka" in str(err.value).lower() and texts
         # libraries built on the SDK raise it too
-        from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner
+        from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner
         from langchain_openai import ChatOpenAI
 
         with pytest.raises(openai.APIError):
@@ -295,7 +295,9 @@ def test_stream_without_kafka_never_says_done(proxy):
 
         async def agent_run():
             aclient = openai.AsyncOpenAI(base_url=f"{url}/rollouts/r/attempts/0/v1", api_key="unused", max_retries=0)
-            agent = Agent(name="g", model=OpenAIChatCompletionsModel(model=S.model_name, openai_client=aclient))
+            # max_tokens: the error comes at the stream's end, after however much the model writes
+            agent = Agent(name="g", model=OpenAIChatCompletionsModel(model=S.model_name, openai_client=aclient),
+                          model_settings=ModelSettings(max_tokens=2))
             result = Runner.run_streamed(agent, "hi", run_config=RunConfig(tracing_disabled=True), max_turns=1)
             try:
                 async for _ in result.stream_events():

@@ -26,6 +26,9 @@ from spanrl.infra.stack import ROOT, Stack, vllm_args
 from spanrl.producers.proxy import logprobs_mode_problem
 from spanrl.trainer.train import completion_logprobs, load_model
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
 TEMPERATURE = 0.5
 PROMPT = "Name three colours and say why you like them."
 

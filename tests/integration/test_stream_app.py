@@ -457,6 +457,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
     assert counters["dead_letters_out"] == {"claim_unresolved": 2} and counters["transitions_out"] == 1
 
 
+@pytest.mark.slow
 def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
     """SIGKILL the worker while a rollout's first call waits in its state (its token data in
     the worker's memory only), and a span without rollout id waits in the trace join's tables;

@@ -478,6 +478,7 @@ async def test_trainer_killed_before_first_checkpoint_resumes_at_start_marker(tm
         shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 async def test_two_rank_trainer_trains_each_sample_once_and_restarts_as_one_group(tmp_path, light_stack, scratch_run,
                                                                                   tiny_model_dir, zero_stage):
@@ -553,6 +554,7 @@ def psutil_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack, scratch_run, tiny_model_dir):
     """MinIO stopped before publish: upload retried with backoff (logged), version 1 is
     published once MinIO is back; a stop during a retry leaves the version unpublished."""
@@ -618,6 +620,7 @@ async def test_checkpoint_upload_rides_out_a_minio_outage(tmp_path, light_stack,
         shutil.rmtree(s.cache_dir / "trainer" / run, ignore_errors=True)
 
 
+@pytest.mark.slow
 async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack, scratch_run, tiny_model_dir):
     """MinIO down while the reloader fetches an announced checkpoint: retried until MinIO
     is back, then verified; a checksum mismatch is refused at once, never retried."""
@@ -697,6 +700,7 @@ def _port_free(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) != 0
 
 
+@pytest.mark.slow
 async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, light_stack, scratch_run):
     """The proxy starts with the reloader's served version (not 0); when vLLM goes, the
     proxy answers 503 policy_unsynced (never a call under a wrong label) until the

@@ -86,12 +86,12 @@ def test_overrides_are_built_from_field_names_and_checked():
         "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
         "SPANRL_REWARD_WINDOW_S": "25", "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12",
         "SPANRL_TRAINER_IDLE_FLUSH_S": "5", "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
-        "SPANRL_TRAINER_KEEP_PUBLISHED": "4"}
+        "SPANRL_TRAINER_KEEP_PUBLISHED": "4", "SPANRL_STREAM_SESSION_TIMEOUT_S": "10"}
 
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 152
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 153
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -233,7 +233,7 @@ STREAM_TODAY = {
     'orphan_timeout_s': 300.0, 'credit_rule': 'identical', 'air_rules': '', 'train_agents': None,
     'reward_timeout_s': 60.0, 'reward_window_s': 604800.0, 'group_timeout_s': 120.0, 'rollout_timeout_s': 900.0,
     'settle_s': 2.0, 'production_idle_s': 300.0, 'retain_s': 3600.0, 'retain_max': 10000, 'tick_s': 0.5,
-    'commit_interval_s': 0.5,
+    'commit_interval_s': 0.5, 'session_timeout_s': 60.0,
     'linger_s': 0.02, 'payload_bucket': 'spanrl-payloads', 'claim_retry_s': 30.0, 'replication_factor': 0,
     'extra': {}}
 

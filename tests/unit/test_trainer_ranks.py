@@ -74,7 +74,10 @@ def test_command_channel_over_a_tcp_store():
         receive.receive()
 
 
-@pytest.mark.parametrize("zero_stage,merged", [(0, False), (2, False), (3, False), (0, True)])
+# ZeRO 0 in `make test`; ZeRO 2 and 3 and the merged-row case in `make test-slow`
+@pytest.mark.parametrize("zero_stage,merged", [(0, False), pytest.param(2, False, marks=pytest.mark.slow),
+                                               pytest.param(3, False, marks=pytest.mark.slow),
+                                               pytest.param(0, True, marks=pytest.mark.slow)])
 def test_two_ranks_give_the_parameters_of_one(tmp_path, zero_stage, merged):
     """One update (two mini-batches of five samples, micro-batches of two: three per mini-batch,
     so rank 1 also runs a zero-weight padding pass) on a tiny Qwen2, with 1 and with 2 ranks
