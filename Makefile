@@ -9,7 +9,7 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-unit up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
+.PHONY: bootstrap demo study test test-unit docs up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -31,6 +31,11 @@ test: bootstrap
 
 test-unit: bootstrap
 	$(PY) -m pytest tests/unit -q
+
+## The documentation site (mkdocs.yml, docs/) at http://127.0.0.1:8000/; tests/unit/test_docs.py builds it
+## with --strict in `make test`.
+docs: bootstrap
+	$(PY) -m mkdocs serve $(ARGS)
 
 up: bootstrap
 	$(PY) -m spanrl.infra.cli stack up $(ARGS)
@@ -61,7 +66,7 @@ bench-vllm-lora: bootstrap
 ## setting's iteration 0) unpacked and tree-packed, side by side (bench/tree_pack.py); nothing else
 ## running. ARGS="--groups 4": half of the update. Writes bench/results/tree-pack.json.
 bench-tree-pack: bootstrap
-	$(PY) -m bench.tree_pack docs/bench/rag05_8q_samples_v0.json --out bench/results/tree-pack.json $(ARGS)
+	$(PY) -m bench.tree_pack docs/data/bench/rag05_8q_samples_v0.json --out bench/results/tree-pack.json $(ARGS)
 
 ## Soak (issue 21): the sustained workload at a fixed rate with the trainer consuming, >= 1 h by
 ## default (80 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in

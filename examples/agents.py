@@ -24,7 +24,7 @@ AGENTS = {
 
 
 #: the demo of the SQL and RAG agents with qwen2.5-coder-0.5b (their specs' ``DEMO_BY_MODEL``;
-#: issue 19, LEARNING.md): LoRA rank 16 at lr 5e-5, 5 iterations x 4 tasks x 4 rollouts, 200 held-out
+#: docs/measured/learning-archive.md): LoRA rank 16 at lr 5e-5, 5 iterations x 4 tasks x 4 rollouts, 200 held-out
 #: tasks greedy only, no log-prob shift scoring (a ~6 s prefill of the 0.5B model per completion on
 #: 2 CPU cores), 600 s per rollout (16 SQL rollouts in flight took one past 180 s) and 40 min per
 #: training stage (a RAG update of 48 samples outlasted the default 900 s)

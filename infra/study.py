@@ -118,12 +118,12 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
             "seed": seed, "run": summ.get("run"), "wall_s": summ.get("wall_s"),
             "logprob_shift_of_iteration0_completions": {
                 k: v.get("delta") for k, v in (summ.get("logprob_shift_of_iteration0_completions") or {}).items()},
-            # every trained completion against its own behaviour policy (absent before session 19)
+            # every trained completion against its own behaviour policy (absent before 2026-12-04)
             "logprob_shift_of_all_completions": {
                 k: v.get("delta") for k, v in ((summ.get("logprob_shift_of_all_completions") or {}).get("all")
                                                or {}).items()},
             "heldout_per_kind": summ.get("heldout_per_kind"),
-            # final - base per kind, paired (absent before session 42)
+            # final - base per kind, paired (absent before 2026-12-07)
             "heldout_per_kind_paired": summ.get("heldout_per_kind_paired"),
             "tool_use_and_calls": {m: {p: {"tool_use_rate": r.get("tool_use_rate"),
                                            "mean_llm_calls": r.get("mean_llm_calls")}

@@ -5,7 +5,7 @@ The repository keeps the folders the design card fixes (``producers``, ``schemas
 ``spanrl.producers``, ``spanrl.schemas``, ``spanrl.stream_jobs``, ``spanrl.trainer``,
 ``spanrl.infra``, so installing spanrl cannot clash with another distribution's
 ``schemas`` or ``trainer``. The ground floor the services share is a real subpackage here,
-``spanrl/core`` (``spanrl.core``; README.md, "Layout").
+``spanrl/core`` (``spanrl.core``; DEVELOPERS.md, "Where things are").
 
 - In a checkout (tests, the stack's ``python -m spanrl...`` commands and the Makefile run
   from the repository root without an install): ``spanrl/producers`` and the four others

@@ -44,7 +44,7 @@ from spanrl.trainer import tracking
 
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
 #: at start-up, so they apply when the demo starts the stack; an environment value wins).
-#: Chosen in LEARNING.md (study 11, three seeds): small steps (lr 1e-5, 8 optimizer steps per
+#: Chosen in docs/measured/learning-archive.md (study 11, three seeds): small steps (lr 1e-5, 8 optimizer steps per
 #: update) with self-imitation of the last 3 updates' rewarded samples at weight 4, anchored by a
 #: k3 KL to the base weights at 0.2 — the one setting tried whose first iteration's rewarded
 #: completions end more likely under the final policy in every seed while greedy and sampled
@@ -66,7 +66,7 @@ DEMO_TRAINER_ENV = TrainerConfig.env(
     # k3 KL to the reference policy (the base weights), DeepSeekMath's GRPO estimator
     kl_coef="0.2",
     # Dr. GRPO: R - group mean, no division by the group's std, so a format-only group
-    # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (LEARNING.md)
+    # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (docs/measured/learning-archive.md)
     advantage_std_scale="false",
     # zero-variance groups give no gradient: left out before the update (counted per update)
     drop_zero_variance="true",
@@ -91,7 +91,7 @@ class MainJobConfig:
     task_set: str = "arith_word"  # the math agent's task set (other agents: their train/heldout splits)
     #: the math agent's training task set (None: ``task_set``); held-out tasks stay ``task_set``.
     #: Default: mul, add, sub in turn (examples/math_agent/tasks.py): chosen by study 3
-    #: (LEARNING.md), the only setting whose greedy held-out rate rose in each of 3 seeds
+    #: (docs/measured/learning-archive.md), the only setting whose greedy held-out rate rose in each of 3 seeds
     train_task_set: str | None = "arith_word_mul_add_sub"
     seed: int = TRAIN_SEED
     heldout_seed: int = HELDOUT_SEED

@@ -21,13 +21,13 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: job's options and the demo's trainer settings (examples/agents.py ``demo_plan``).
 #: qwen2.5-coder-0.5b: examples/agents.py ``QWEN05B_LORA_DEMO`` with 8 questions an iteration and 3
 #: iterations (24 training questions; ~2 h on 2 CPU cores, 8 x 5 would be ~3 h). Held-out greedy
-#: reward, fresh clones (LEARNING.md, issue 19): with 4 questions x 5 iterations seed 0 (session 33)
-#: 0.568 -> 0.750, +0.182 [+0.138, +0.229] and seed 1 (``SPANRL_SEED=1``, session 38) 0.564 -> 0.549,
-#: -0.015 [-0.048, +0.020]: one seed of two; with 8 x 3, seed 0 (session 40) 0.564 -> 0.629, +0.065
-#: [+0.022, +0.107], 121 min (updates 85 of them), seed 1 (session 41) +0.012 [-0.017, +0.041], seed 2
-#: (session 42) +0.041 [+0.008, +0.075], 135 min: two seeds of three. Its trainer packs each
+#: reward, fresh clones (docs/measured/learning-archive.md): with 4 questions x 5 iterations seed 0 (2026-12-06)
+#: 0.568 -> 0.750, +0.182 [+0.138, +0.229] and seed 1 (``SPANRL_SEED=1``, 2026-12-07) 0.564 -> 0.549,
+#: -0.015 [-0.048, +0.020]: one seed of two; with 8 x 3, seed 0 (2026-12-07) 0.564 -> 0.629, +0.065
+#: [+0.022, +0.107], 121 min (updates 85 of them), seed 1 (2026-12-07) +0.012 [-0.017, +0.041], seed 2
+#: (2026-12-07) +0.041 [+0.008, +0.075], 135 min: two seeds of three. Its trainer packs each
 #: micro-batch as a prefix tree (``SPANRL_TRAINER_TREE_PACKING``, trainer/tree_pack.py: the same
-#: log-probs and gradients to 1e-5; one update of 24 recorded samples 0.544x the time, BENCHMARKS.md):
+#: log-probs and gradients to 1e-5; one update of 24 recorded samples 0.544x the time, docs/measured/benchmarks.md):
 #: the agents' calls share their system prompt and worked turns, a group's calls their question. Seed
 #: 0 ran unpacked, seeds 1 and 2 packed.
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {

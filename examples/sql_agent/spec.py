@@ -17,11 +17,11 @@ DEMO = {"iterations": 3, "tasks": 4, "group_size": 4, "heldout_tasks": 40}
 #: the demo with another base policy (``make demo AGENT=sql MODEL=...``), over ``DEMO``, the main
 #: job's options and the demo's trainer settings (examples/agents.py ``demo_plan``).
 #: qwen2.5-coder-0.5b: examples/agents.py ``QWEN05B_LORA_DEMO`` with 8 tasks an iteration (40 training
-#: tasks). Held-out greedy execution accuracy (LEARNING.md, issue 19): with 4 tasks (20; 9 of their
-#: groups had reward variance in session 34) 0.455 -> 0.510, 0.490, 0.485 in three runs (+0.055
+#: tasks). Held-out greedy execution accuracy (docs/measured/learning-archive.md): with 4 tasks (20; 9 of their
+#: groups had reward variance in the third run) 0.455 -> 0.510, 0.490, 0.485 in three runs (+0.055
 #: [+0.020, +0.095], +0.035 [0.000, +0.070], +0.030 [-0.005, +0.065]; the same 9 tasks up, 3 down);
-#: with 8, 0.455 -> 0.520, +0.065 [+0.025, +0.105] (session 35, 151 min on 2 cores) and with
-#: SPANRL_SEED=1 0.455 -> 0.495, +0.040 [+0.005, +0.075] (session 37).
+#: with 8, 0.455 -> 0.520, +0.065 [+0.025, +0.105] (2026-12-06, 151 min on 2 cores) and with
+#: SPANRL_SEED=1 0.455 -> 0.495, +0.040 [+0.005, +0.075] (2026-12-06).
 DEMO_BY_MODEL = {"qwen2.5-coder-0.5b": {**QWEN05B_LORA_DEMO,
                                         "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8}}}
 

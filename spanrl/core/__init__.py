@@ -18,5 +18,5 @@
 
 It imports only ``spanrl.schemas`` (and the topic table reads ``settings``: the one edge
 upward from schemas, named in pyproject.toml's import contract). The layers and the tool
-that checks them: README.md, "Layout".
+that checks them: DEVELOPERS.md, "Where things are".
 """

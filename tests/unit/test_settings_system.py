@@ -1,5 +1,5 @@
 """The one settings system (spanrl/core/settings.py, issue 22 item 2): every SPANRL_* name declared
-once, today's defaults, an undeclared name stops start-up, README's table is generated, no
+once, today's defaults, an undeclared name stops start-up, the settings reference's table is generated, no
 other module reads the environment, one DeepSpeed config."""
 from __future__ import annotations
 
@@ -298,13 +298,13 @@ def test_topic_prefix_from_the_settings(monkeypatch):
     assert Topics.from_env().spans.name == "spans"
 
 
-# ---- README's table --------------------------------------------------------------------
+# ---- the settings reference's table -----------------------------------------------------
 
-def test_readme_settings_table_is_generated_from_the_declarations():
-    readme = (ROOT / "README.md").read_text()
-    assert S.readme_table(readme) == S.markdown_table(), (
-        "README.md's settings table is stale: python -m spanrl.core.settings --write-readme README.md")
-    assert "| `SPANRL_REWARD_TIMEOUT_S` | float | `60.0` | s | stream | " in readme
+def test_settings_reference_table_is_generated_from_the_declarations():
+    page = (ROOT / S.SETTINGS_PAGE).read_text()
+    assert S.page_table(page) == S.markdown_table(), (
+        f"{S.SETTINGS_PAGE}'s settings table is stale: python -m spanrl.core.settings --write {S.SETTINGS_PAGE}")
+    assert "| `SPANRL_REWARD_TIMEOUT_S` | float | `60.0` | s | stream | " in page
 
 
 def test_markdown_table_lists_every_name_once():
