@@ -2,7 +2,8 @@
 or a page left out of the navigation fails it), and every command the README and the Quickstart
 page show is checked as written: ``make`` lines by a dry run of the Makefile (``make -n``: the
 target exists and its recipe expands; nothing is run), ``python -m MODULE`` lines by finding the
-module, Python blocks by compiling them and importing every name they import. The README stays
+module, Python blocks by compiling them, importing every name they import and reading only
+declared settings. The README stays
 short, with the attach path near its top."""
 from __future__ import annotations
 
@@ -99,6 +100,13 @@ def test_every_shown_python_block_compiles_and_imports_what_exists(page, body):
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 importlib.import_module(alias.name)
+    # the settings it reads exist: `s = get_settings()`, then `s.<name>`
+    from spanrl.core.settings import get_settings
+    bound = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+             and getattr(node.value.func, "id", None) == "get_settings" for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            assert hasattr(get_settings(), node.attr), f"{page}: the settings have no {node.attr}"
 
 
 def test_readme_is_short_and_shows_the_attach_path_early():
