@@ -3,8 +3,7 @@ or a page left out of the navigation fails it), and every command the README and
 page show is checked as written: ``make`` lines by a dry run of the Makefile (``make -n``: the
 target exists and its recipe expands; nothing is run), ``python -m MODULE`` lines by finding the
 module, Python blocks by compiling them, importing every name they import and reading only
-declared settings. The README stays
-short, with the attach path near its top."""
+declared settings. The README stays short, with the attach path near its top."""
 from __future__ import annotations
 
 import ast
