@@ -305,12 +305,24 @@ def _heldout_modes(value: str | None) -> tuple[str, ...] | None:
     return modes
 
 
+def _agent_spec(ref: str):
+    """The AgentSpec ``ref`` names (spanrl/infra/agents.py); a bad reference or spec is the
+    command line's error, before anything starts."""
+    from spanrl.infra.agents import load_agent_spec
+
+    try:
+        return load_agent_spec(ref)
+    except ValueError as exc:  # AgentSpecError
+        raise typer.BadParameter(str(exc))
+
+
 @app.command()
 def demo(
-    agent: str = typer.Option("math", help="math (AutoGen calculator) | sql (LangGraph text-to-SQL team, "
-                              "write/rewrite trained, check excluded) | rag (Agents SDK retrieval)"),
+    agent: str = typer.Option("math", help="the agent spec: module:attribute (an AgentSpec on PYTHONPATH) or "
+                              "math (AutoGen calculator) | sql (LangGraph text-to-SQL team, write/rewrite "
+                              "trained, check excluded) | rag (Agents SDK retrieval)"),
     iterations: int = typer.Option(None, help="tasks -> rollouts -> samples -> update -> reload cycles "
-                                   "(default: the agent's DEMO size)"),
+                                   "(default: the agent's demo size)"),
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after (0: none)"),
@@ -331,16 +343,12 @@ def demo(
     the base and the final policy are evaluated on held-out tasks."""
     from pathlib import Path
 
-    from examples.agents import agent_spec, demo_plan
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
     from spanrl.core.settings import get_settings
 
-    try:
-        spec = agent_spec(agent)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc))
+    spec = _agent_spec(agent)
     modes = _heldout_modes(heldout_modes)
-    plan = demo_plan(spec, get_settings().model)  # the agent's demo with this base policy
+    plan = spec.demo_plan(get_settings().model)  # the agent's demo with this base policy
     size = {**plan["size"], **{k: v for k, v in {"iterations": iterations, "tasks": tasks, "group_size": group_size,
                                                   "heldout_tasks": heldout_tasks}.items() if v is not None}}
     options = {**plan["options"], **{k: v for k, v in {"ood_tasks": ood_tasks, "train_task_set": train_task_set or None,
@@ -349,10 +357,10 @@ def demo(
     if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
         for k, v in {**DEMO_TRAINER_ENV, **plan["trainer_env"]}.items():
             setdefault_env(k, v)
-        setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)  # read by the stream job at start
-    elif StreamSettings().train_agents != spec.TRAIN_AGENTS:
+        setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)  # read by the stream job at start
+    elif StreamSettings().train_agents != spec.train_agents:
         console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s demo "
-                      f"trains {spec.TRAIN_AGENTS or 'every agent'} (restart the stack to apply)[/yellow]")
+                      f"trains {spec.train_agents or 'every agent'} (restart the stack to apply)[/yellow]")
     _check_free_space("demo")
     stack = _fresh_run("demo")
     _up_or_exit(stack)
@@ -371,7 +379,9 @@ def demo(
 def study(
     seeds: int = typer.Option(3, help="how many run seeds (first_seed, first_seed + 1, ...)"),
     first_seed: int = typer.Option(0, help="the first run seed"),
-    iterations: int = typer.Option(None, help="iterations per seed (default: the math agent's DEMO size)"),
+    agent: str = typer.Option("math", help="the agent spec: module:attribute (an AgentSpec on PYTHONPATH) or "
+                              "math | sql | rag"),
+    iterations: int = typer.Option(None, help="iterations per seed (default: the agent's demo size)"),
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
@@ -387,16 +397,13 @@ def study(
     per seed and pooled paired differences, greedy and sampled, per kind, out of distribution."""
     from pathlib import Path
 
-    from examples.agents import agent_spec
     from spanrl.infra.study import pooled_text, run_study
 
     if seeds < 1:
         raise typer.BadParameter("--seeds must be >= 1")
-    size = {**agent_spec("math").DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks,
-                                                             "group_size": group_size,
-                                                             "heldout_tasks": heldout_tasks,
-                                                             "ood_tasks": ood_tasks,
-                                                             "train_task_set": train_task_set}.items() if v is not None}}
+    given = {"iterations": iterations, "tasks": tasks, "group_size": group_size, "heldout_tasks": heldout_tasks,
+             "ood_tasks": ood_tasks, "train_task_set": train_task_set}
+    size = {**_agent_spec(agent).demo, "agent": agent, **{k: v for k, v in given.items() if v is not None}}
     _check_free_space("demo")
     try:
         report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console, repeat)
@@ -428,10 +435,11 @@ def study(
 def eval_cmd(
     policy: list[str] = typer.Option(["base"], help="base or RUN:VERSION (repeat: compared on the same tasks, "
                                      "paired differences against the first)"),
-    agent: str = typer.Option(None, help="runner callable module:attribute (default: the RUNNER of the task "
-                              "set's agent, examples/agents.py; the math agent for arith_word/gsm_symbolic)"),
-    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic (math) | AGENT:SPLIT, e.g. "
-                                 "sql:heldout, rag:heldout (examples/agents.py)"),
+    agent: str = typer.Option(None, help="runner callable or agent spec, module:attribute (default: the runner "
+                              "of the task set's agent; the math agent for arith_word/gsm_symbolic)"),
+    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic (math) | AGENT:SPLIT, AGENT a "
+                                 "spec's module:attribute or math | sql | rag, e.g. sql:heldout, "
+                                 "my_pkg.my_agent:spec:heldout"),
     seed: int = typer.Option(1000, help="task seed (the main job trains on seed 0; 1000 is held out: "
                              "examples/math_agent/tasks.py TRAIN_SEED, HELDOUT_SEED)"),
     tasks: int = typer.Option(200, help="number of tasks"),
@@ -451,12 +459,9 @@ def eval_cmd(
     from spanrl.infra.evaluation import EvalConfig, EvalError, evaluate
 
     if agent is None:
-        from examples.agents import agent_spec
+        from spanrl.infra.agents import split_task_set
 
-        try:
-            agent = agent_spec(task_set.split(":", 1)[0] if ":" in task_set else "math").RUNNER
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc))
+        agent = _agent_spec((split_task_set(task_set) or ("math", ""))[0]).runner_ref
     cfg = EvalConfig(policies=list(policy), agent=agent, task_set=task_set, seed=seed, tasks=tasks,
                      samples=samples, temperature=None if temperature < 0 else temperature,
                      concurrency=concurrency, out_dir=Path(out), name=name)

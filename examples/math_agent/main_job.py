@@ -86,7 +86,7 @@ class MainJobConfig:
     iterations: int = 4
     tasks_per_iteration: int = 6
     group_size: int = 6
-    #: the example agent (examples/agents.py): math | sql | rag
+    #: the agent spec (spanrl/infra/agents.py): module:attribute of an AgentSpec, or math | sql | rag
     agent: str = "math"
     task_set: str = "arith_word"  # the math agent's task set (other agents: their train/heldout splits)
     #: the math agent's training task set (None: ``task_set``); held-out tasks stay ``task_set``.
@@ -223,7 +223,7 @@ def _served_version(s: Settings) -> int:
 
 
 async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[dict], progress, bar) -> IterationResult:
-    from examples.agents import agent_spec
+    from spanrl.infra.agents import load_agent_spec
     from spanrl.infra.evaluation import load_agent
     from spanrl.infra.replay import agent_counts
     from spanrl.producers.runner import Runner, publish_tasks
@@ -243,7 +243,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     n_rollouts = cfg.tasks_per_iteration * cfg.group_size
     progress.update(bar, description=f"iter {it}: rollouts", total=n_rollouts, completed=0)
 
-    runner = Runner(load_agent(agent_spec(cfg.agent).RUNNER), settings=s, concurrency=cfg.concurrency,
+    runner = Runner(load_agent(load_agent_spec(cfg.agent).runner_ref), settings=s, concurrency=cfg.concurrency,
                     timeout_s=cfg.rollout_timeout_s,
                     group_id="spanrl-main-job")
     ended: dict[str, str] = {}
@@ -451,10 +451,18 @@ def _shift_text(shift: dict) -> str:
 HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
 
 
+def _is_math(cfg: MainJobConfig) -> bool:
+    """Whether the job's agent is the math agent (by short name or by reference): it alone has
+    named task sets (``task_set``, ``train_task_set``) and the out-of-distribution set."""
+    from spanrl.infra.agents import load_agent_spec
+
+    return load_agent_spec(cfg.agent) is load_agent_spec("math")
+
+
 def _task_set(cfg: MainJobConfig, split: str) -> str:
-    """The task set name of ``split`` (examples/agents.load_split): the math agent's named
-    set (its seeds separate train and held out), else ``AGENT:SPLIT``."""
-    if cfg.agent != "math":
+    """The task set name of ``split`` (spanrl/infra/agents.py ``load_split``): the math agent's
+    named set (its seeds separate train and held out), else ``AGENT:SPLIT``."""
+    if not _is_math(cfg):
         return f"{cfg.agent}:{split}"
     return cfg.train_task_set or cfg.task_set if split == "train" else cfg.task_set
 
@@ -466,9 +474,9 @@ def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console
 
     if mode not in HELDOUT_MODES:
         raise ValueError(f"unknown held-out mode {mode!r}; known: {', '.join(HELDOUT_MODES)}")
-    from examples.agents import agent_spec
+    from spanrl.infra.agents import load_agent_spec
 
-    ecfg = EvalConfig(policies=[spec], agent=agent_spec(cfg.agent).RUNNER,
+    ecfg = EvalConfig(policies=[spec], agent=load_agent_spec(cfg.agent).runner_ref,
                       task_set=cfg.ood_task_set if ood else _task_set(cfg, "heldout"),
                       seed=cfg.heldout_seed, tasks=cfg.ood_tasks if ood else cfg.heldout_tasks,
                       samples=1, temperature=HELDOUT_MODES[mode], concurrency=cfg.concurrency,
@@ -479,7 +487,7 @@ def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console
 def per_kind(report: dict, kinds: dict[str, str]) -> dict[str, dict]:
     """Correct rate and mean reward per task kind and policy of an evaluation report: ``{kind:
     {policy: {"episodes", "correct", "reward"}}}``, ``kinds`` mapping task id -> kind
-    (:func:`examples.agents.task_kind`; tasks not in it count as ``"all"``). Example: two
+    (``AgentSpec.kind_of``; tasks not in it count as ``"all"``). Example: two
     ``add`` episodes of base, one correct with reward 1, one wrong with reward 0: ``{"add":
     {"base": {"episodes": 2, "correct": 0.5, "reward": 0.5}}}``."""
     out: dict[str, dict] = {}
@@ -521,7 +529,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     """Evaluate the base policy on the held-out tasks, run ``cfg.iterations`` iterations,
     evaluate the final policy on the same held-out tasks; write summary.json,
     reward_curve.png and heldout-<mode>.json/.png; return the summary."""
-    from examples.agents import agent_spec, disjoint, load_split, task_kind
+    from spanrl.infra.agents import disjoint, load_agent_spec, load_split
     from spanrl.infra.evaluation import merge_reports, write_report
 
     s = settings or get_settings()
@@ -539,7 +547,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     if modes and _served_version(s) != 0:
         console.print("[yellow]the stack serves a trained version: the base evaluation pins the base "
                       "model (version 0) for its duration[/yellow]")
-    ood = cfg.agent == "math" and cfg.ood_tasks > 0 and bool(modes)
+    ood = _is_math(cfg) and cfg.ood_tasks > 0 and bool(modes)
     base_ood = {}
     for mode in modes:
         base_reports[mode] = _heldout_eval(cfg, s, "base", mode, console)
@@ -607,8 +615,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             ood_reports[mode] = base_ood[mode] if final_spec == "base" else \
                 merge_reports(base_ood[mode], _heldout_eval(cfg, s, final_spec, mode, console, ood=True))
             write_report(ood_reports[mode], out, f"ood-{mode}", s)
-    spec = agent_spec(cfg.agent)
-    kinds = {t["task_id"]: task_kind(spec, t) for t in heldout_set} if modes else {}
+    spec = load_agent_spec(cfg.agent)
+    kinds = {t["task_id"]: spec.kind_of(t) for t in heldout_set} if modes else {}
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
         for name, c in r.agents.items():

@@ -706,13 +706,14 @@ class ReloaderConfig(Section):
                               readers="reloader")
     gate: bool = setting(False, "release gate (trainer/gate.py): evaluate each new checkpoint on held-out tasks "
                          "before it becomes the served policy", readers="reloader")
-    gate_agent: str = setting("examples.math_agent.agent:math_agent", "the gate's agent (`module:attribute`)",
-                              readers="reloader")
+    gate_agent: str = setting("examples.math_agent.agent:math_agent", "the gate's agent: a runner callable or an "
+                              "AgentSpec (`module:attribute`)", readers="reloader")
     gate_evaluation: str = setting("spanrl.infra.evaluation:gate_rewards",
                                    "what runs the gate's held-out episodes (`module:attribute`, "
                                    "trainer/gate.py `GateEvaluation`): the control plane's evaluator",
                                    readers="reloader")
-    gate_task_set: str = setting("arith_word", "the gate's task set", readers="reloader")
+    gate_task_set: str = setting("arith_word", "the gate's task set: a math task set or `AGENT:SPLIT` (AGENT an "
+                                 "AgentSpec's `module:attribute` or math, sql, rag)", readers="reloader")
     gate_seed: int = setting(1000, "the held-out seed; items [gate_offset, gate_offset + gate_tasks)",
                              readers="reloader")
     gate_offset: int = setting(200, "past the 200 the main job reports, so serving decisions never saw those",
