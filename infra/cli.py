@@ -1,10 +1,11 @@
-"""``spanrl`` command line: the local stack, the main job and replay.
+"""spanrl's command line: the local stack, an agent's demo, study and evaluation, replay, chaos.
 
     spanrl stack up [--only kafka,minio]   start components, wait for health
     spanrl stack status                    table of components, health, endpoints
     spanrl stack down                      stop everything
     spanrl stack logs NAME [-n 50]         tail a component's log
-    spanrl demo [--keep-up] ...            the main job (examples/math_agent/main_job.py)
+    spanrl demo [--agent REF] ...          the main job (examples/math_agent/main_job.py)
+    spanrl study [--seeds 3] ...           the main job once per run seed, one report across seeds
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
@@ -21,7 +22,7 @@ from rich.table import Table
 from spanrl.core.settings import StreamSettings, UnknownSetting, child_env, setdefault_env
 from spanrl.infra.stack import Stack, StackError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n\n")[0])
 stack_app = typer.Typer(no_args_is_help=True, help="Start, inspect and stop the local stack.")
 app.add_typer(stack_app, name="stack")
 console = Console()
@@ -339,8 +340,9 @@ def demo(
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
 ) -> None:
-    """The main job: a calculator math agent learns through Kafka, Faust, DeepSpeed, MinIO, vLLM;
-    the base and the final policy are evaluated on held-out tasks."""
+    """The main job: an agent (``--agent``: an AgentSpec by module:attribute, or math | sql | rag)
+    learns through Kafka, Faust, DeepSpeed, MinIO, vLLM; the base and the final policy are
+    evaluated on held-out tasks."""
     from pathlib import Path
 
     from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
@@ -551,6 +553,40 @@ def chaos(
     console.print(table)
     console.print(f"{Path(out) / 'chaos.json'}")
     raise typer.Exit(0 if result["ok"] else 1)
+
+
+#: ``spanrl --help``'s line for the commands whose docstring's first sentence is longer than a line
+SHORT_HELP = {
+    "calls": "Each LLM call of ended attempts: its agent, how it was resolved, trained or excluded.",
+    "clean": "Delete the checkpoints of the matching runs (MinIO objects and local copies).",
+    "demo": "The main job: an agent (--agent) learns on the stack, evaluated before and after.",
+    "study": "The main job once per run seed, and one report across the seeds.",
+    "eval": "Evaluate an agent on held-out tasks under one or more policies.",
+    "replay": "Rebuild transitions from the stored spans under a new credit rule; optionally train.",
+    "chaos": "SIGKILL components mid-run and account for every acknowledged call.",
+}
+
+
+def first_sentence(doc: str) -> str:
+    """The first sentence of ``doc``'s first paragraph, on one line."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[:end + 1]
+
+
+def one_line_help(typer_app: typer.Typer, short: dict[str, str]) -> None:
+    """Give each command of ``typer_app`` and of its groups one line in ``--help``: ``short``'s
+    entry for its name, else its docstring's first sentence."""
+    import inspect
+
+    for info in typer_app.registered_commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        info.short_help = info.short_help or short.get(name) or first_sentence(inspect.getdoc(info.callback) or "")
+    for group in typer_app.registered_groups:
+        one_line_help(group.typer_instance, short)
+
+
+one_line_help(app, SHORT_HELP)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,10 @@ SPLITS = ("train", "heldout")
 
 class AgentSpecError(ValueError):
     """An agent spec that cannot be used: not found, not an :class:`AgentSpec`, or a field
-    missing or of the wrong type (the message names it)."""
+    missing or of the wrong type (the message names it). A ValueError.
+
+    Example: ``AgentSpec(name="x", runner="m:run", load_tasks=f, train_seed="0")`` raises
+    ``AgentSpecError("agent spec field 'train_seed': expected an integer, got str '0'")``."""
 
 
 def _field_error(name: str, expected: str, value: Any) -> AgentSpecError:
@@ -86,9 +89,10 @@ def _check_demo_by_model(value: Any) -> None:
 class AgentSpec:
     """An agent as spanrl's commands see it: how to run it, its tasks, how its reward reads.
 
-    Required: ``name`` (reports and run names), ``runner`` (the agent: an async callable
-    ``(task: dict, ctx: RunContext) -> dict | None``, or its ``"module:attribute"`` so that
-    loading the spec does not import the agent's framework) and ``load_tasks(split, seed,
+    Required: ``name`` (reports and run names), ``runner`` (the agent: a callable, sync or
+    async, of one :class:`~spanrl.producers.runner.RolloutContext` (``ctx.task``,
+    ``ctx.base_url``, ``ctx.emit_reward``), or its ``"module:attribute"``, so that loading the
+    spec does not import the agent's framework) and ``load_tasks(split, seed,
     size)`` (``split`` is ``"train"`` or ``"heldout"``; the two seeds give disjoint tasks).
     The rest have defaults: the seeds of each split, the reward components that mean success
     and a well-formed answer, whose calls train (``train_agents``: ``SPANRL_TRAIN_AGENTS``

@@ -16,8 +16,8 @@ USER_AGENT = '''
 from spanrl.core.agent_spec import AgentSpec
 
 
-async def run(task, ctx):
-    return {"answer": task["question"]}
+async def run(ctx):
+    ctx.emit_reward(1.0, correct=1.0)
 
 
 def load_tasks(split, seed, size):
