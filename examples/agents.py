@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from spanrl.core.settings import TrainerConfig
+from spanrl.core.recipes import recipe_env
 
 #: the demo of the SQL and RAG agents with qwen2.5-coder-0.5b (their specs' ``demo_by_model``;
 #: issue 19, LEARNING.md): LoRA rank 16 at lr 5e-5, 5 iterations x 4 tasks x 4 rollouts, 200 held-out
@@ -21,7 +21,8 @@ QWEN05B_LORA_DEMO = {
     "size": {"iterations": 5, "tasks": 4, "group_size": 4, "heldout_tasks": 200},
     "options": {"heldout_modes": ("greedy",), "logprob_shift": False, "rollout_timeout_s": 600.0,
                 "stage_timeout_s": 2400.0},
-    "trainer_env": TrainerConfig.env(lora_rank=16, lr="5e-5"),
+    # the recipe qwen05b-lora's settings over the default recipe's (spanrl/core/recipes.py)
+    "trainer_env": recipe_env("qwen05b-lora", over="default"),
 }
 
 

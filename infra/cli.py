@@ -306,6 +306,27 @@ def _heldout_modes(value: str | None) -> tuple[str, ...] | None:
     return modes
 
 
+RECIPE_HELP = ("a trainer recipe of spanrl/core/recipes.py (default | qwen05b-lora | qwen05b-lora-tree), applied "
+               "whole instead of the demo's trainer settings; SPANRL_TRAINER_* variables still win (default: "
+               "SPANRL_RECIPE; unset: the default recipe with the agent's per-model settings)")
+
+
+def _recipe(name: str | None) -> str | None:
+    """The recipe chosen: ``name`` (set as ``SPANRL_RECIPE``, so the stack's trainer reads it too),
+    else ``SPANRL_RECIPE``; None when neither. An unknown name is the command line's error."""
+    from spanrl.core.recipes import get_recipe
+    from spanrl.core.settings import get_settings, set_env
+
+    if name is not None:
+        try:
+            get_recipe(name)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc))
+        set_env("SPANRL_RECIPE", name)
+        get_settings.cache_clear()
+    return get_settings().recipe or None
+
+
 def _agent_spec(ref: str):
     """The AgentSpec ``ref`` names (spanrl/infra/agents.py); a bad reference or spec is the
     command line's error, before anything starts."""
@@ -339,16 +360,18 @@ def demo(
                                        "arith_word_balanced (one of each kind per 6 tasks)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
+    recipe: str = typer.Option(None, help=RECIPE_HELP),
 ) -> None:
     """The main job: an agent (``--agent``: an AgentSpec by module:attribute, or math | sql | rag)
     learns through Kafka, Faust, DeepSpeed, MinIO, vLLM; the base and the final policy are
     evaluated on held-out tasks."""
     from pathlib import Path
 
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
+    from examples.math_agent.main_job import MainJobConfig, demo_trainer_env, run_main_job
     from spanrl.core.settings import get_settings
 
     spec = _agent_spec(agent)
+    chosen = _recipe(recipe)
     modes = _heldout_modes(heldout_modes)
     plan = spec.demo_plan(get_settings().model)  # the agent's demo with this base policy
     size = {**plan["size"], **{k: v for k, v in {"iterations": iterations, "tasks": tasks, "group_size": group_size,
@@ -357,7 +380,7 @@ def demo(
                                                         "heldout_modes": modes, "logprob_shift": logprob_shift}.items()
                                      if v is not None}}
     if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
-        for k, v in {**DEMO_TRAINER_ENV, **plan["trainer_env"]}.items():
+        for k, v in demo_trainer_env(plan["trainer_env"], chosen).items():
             setdefault_env(k, v)
         setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)  # read by the stream job at start
     elif StreamSettings().train_agents != spec.train_agents:
@@ -394,6 +417,7 @@ def study(
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
     repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
                                 "version, held-out episodes)"),
+    recipe: str = typer.Option(None, help=RECIPE_HELP),
 ) -> None:
     """The main job once per run seed (a fresh stack run each), and one report across seeds:
     per seed and pooled paired differences, greedy and sampled, per kind, out of distribution."""
@@ -403,6 +427,7 @@ def study(
 
     if seeds < 1:
         raise typer.BadParameter("--seeds must be >= 1")
+    _recipe(recipe)  # run_study applies it (SPANRL_RECIPE)
     given = {"iterations": iterations, "tasks": tasks, "group_size": group_size, "heldout_tasks": heldout_tasks,
              "ood_tasks": ood_tasks, "train_task_set": train_task_set}
     size = {**_agent_spec(agent).demo, "agent": agent, **{k: v for k, v in given.items() if v is not None}}

@@ -36,41 +36,28 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.core.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
+from spanrl.core.recipes import recipe_env
+from spanrl.core.settings import Settings, env_value, env_with_prefix, get_settings
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
 
 
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
-#: at start-up, so they apply when the demo starts the stack; an environment value wins).
-#: Chosen in LEARNING.md (study 11, three seeds): small steps (lr 1e-5, 8 optimizer steps per
-#: update) with self-imitation of the last 3 updates' rewarded samples at weight 4, anchored by a
-#: k3 KL to the base weights at 0.2 — the one setting tried whose first iteration's rewarded
-#: completions end more likely under the final policy in every seed while greedy and sampled
-#: held-out correctness rise. lr 5e-5 x 2 steps (the default before, study 3) learned as much but
-#: made those completions less likely; it takes ~34 min where this takes ~57 min on 2 cores.
-#: Updates are cut per iteration (barrier), not by idle time, so a run seed repeats the run.
-DEMO_TRAINER_ENV = TrainerConfig.env(
-    lr="1e-5",
-    loss_agg="token_mean",
-    # one update per iteration on exactly that iteration's samples (POST /admin/train), so a
-    # run's batches do not depend on timing and every call of an iteration is served by one
-    # version; eight optimizer steps per update (mini-batches in content order)
-    batching="barrier",
-    mini_batches="8",
-    # Self-Imitation Learning: the positive-advantage samples of the last 3 updates trained
-    # again, their advantage x 4 (trainer/self_imitation.py)
-    self_imitation_updates="3",
-    self_imitation_weight="4",
-    # k3 KL to the reference policy (the base weights), DeepSeekMath's GRPO estimator
-    kl_coef="0.2",
-    # Dr. GRPO: R - group mean, no division by the group's std, so a format-only group
-    # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (LEARNING.md)
-    advantage_std_scale="false",
-    # zero-variance groups give no gradient: left out before the update (counted per update)
-    drop_zero_variance="true",
-)
+#: at start-up, so they apply when the demo starts the stack; an environment value wins): the
+#: ``default`` recipe, spanrl/core/recipes.py (each value with the study that chose it: study 11,
+#: LEARNING.md). Updates are cut per iteration (barrier), not by idle time, so a run seed repeats
+#: the run.
+DEMO_TRAINER_ENV = recipe_env("default")
+
+
+def demo_trainer_env(model_env: dict[str, str], recipe: str | None = None) -> dict[str, str]:
+    """The trainer settings a demo or study applies (each unless the environment sets it): the
+    recipe ``recipe`` whole when one is chosen (``SPANRL_RECIPE``, ``--recipe``), else
+    :data:`DEMO_TRAINER_ENV` with the agent's per-model settings ``model_env`` over it
+    (``AgentSpec.demo_plan``'s ``trainer_env``). Example: ``demo_trainer_env({}, "qwen05b-lora")``
+    is ``recipe_env("qwen05b-lora")``: the default recipe's nine values with lr 5e-5 and LoRA r16."""
+    return recipe_env(recipe) if recipe else {**DEMO_TRAINER_ENV, **model_env}
 
 
 @dataclass
@@ -632,6 +619,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "seed": s.seed,
         "rollout_temperature": s.rollout_temperature,  # SPANRL_ROLLOUT_TEMPERATURE (None: the agent's own)
         "trainer_env": {k: env_value(k, v) for k, v in DEMO_TRAINER_ENV.items()},
+        "recipe": s.recipe or None,  # SPANRL_RECIPE (spanrl/core/recipes.py): None, DEMO_TRAINER_ENV's
         "trainer_settings": env_with_prefix("SPANRL_TRAINER_"),
         "trainer_updates": _trainer_updates(s),
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],

@@ -7,7 +7,7 @@ Both agents of the default path train; evaluation reads ``correct`` as success a
 
 from examples.agents import QWEN05B_LORA_DEMO
 from spanrl.core.agent_spec import AgentSpec
-from spanrl.core.settings import TrainerConfig
+from spanrl.core.recipes import recipe_env
 
 from .tasks import HELDOUT_SEED, TRAIN_SEED, load_tasks
 
@@ -40,10 +40,11 @@ SPEC = AgentSpec(
     # log-probs and gradients to 1e-5; one update of 24 recorded samples 0.544x the time, BENCHMARKS.md):
     # the agents' calls share their system prompt and worked turns, a group's calls their question. Seed
     # 0 ran unpacked, seeds 1 and 2 packed.
+    # Its trainer settings are the recipe qwen05b-lora-tree (spanrl/core/recipes.py).
     demo_by_model={"qwen2.5-coder-0.5b": {
         **QWEN05B_LORA_DEMO,
         "size": {**QWEN05B_LORA_DEMO["size"], "tasks": 8, "iterations": 3},
-        "trainer_env": {**QWEN05B_LORA_DEMO["trainer_env"], **TrainerConfig.env(tree_packing=True)}}},
+        "trainer_env": recipe_env("qwen05b-lora-tree", over="default")}},
     task_kind=task_kind,
 )
 #: the runner's reference as a module attribute, for examples/agents.py ``agent_spec`` (the integration tests)

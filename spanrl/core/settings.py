@@ -120,6 +120,20 @@ class _MappingSource(PydanticBaseSettingsSource):
         return out
 
 
+class _RecipeSource(PydanticBaseSettingsSource):
+    """TrainerConfig's values from the recipe ``SPANRL_RECIPE`` names (spanrl/core/recipes.py):
+    below the environment's ``SPANRL_TRAINER_*``, above the declared defaults."""
+
+    def get_field_value(self, field, field_name: str):
+        return None, field_name, False  # the recipe is read whole in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        from spanrl.core.recipes import recipe_values
+
+        name = Settings.from_environ(_ENVIRON.get()).recipe
+        return recipe_values(name) if name else {}
+
+
 class Section(BaseSettings):
     """A component's settings: ``env_prefix`` + field name is each variable's name."""
 
@@ -250,6 +264,10 @@ class Settings(Section):
                                "rollout's index in its group, the attempt and the call (producers/seeding.py); "
                                "the trainer's torch seed defaults to it. `none` (or empty): unseeded sampling",
                                readers="runner, trainer, main job")
+    recipe: str = setting("", "a named trainer recipe (spanrl/core/recipes.py: `default` is the measured one, "
+                          "`qwen05b-lora`, `qwen05b-lora-tree`): its values are the trainer's defaults, a "
+                          "`SPANRL_TRAINER_*` variable still wins field by field; empty: `TrainerConfig`'s own",
+                          readers="trainer, demo, study")
     vllm_tool_call_parser: str | None = setting(None, "vLLM's `--tool-call-parser` (with "
                                                 "`--enable-auto-tool-choice`); empty: no parser (`tools` get 400)",
                                                 readers="stack", shown="the model's (spanrl/core/model.py)")
@@ -283,6 +301,16 @@ class Settings(Section):
                            readers="trainer, main job, eval")
     tracker_dir: Path | None = setting(None, "where tracking logs go (`RUN/trainer`, `RUN/main_job`, `eval/NAME` "
                                        "below it)", readers="trainer, main job, eval", shown="`state_dir/tensorboard`")
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, value: str) -> str:
+        from spanrl.core.recipes import get_recipe
+
+        value = value.strip()
+        if value:
+            get_recipe(value)  # ValueError naming the known recipes
+        return value
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -561,6 +589,13 @@ class TrainerConfig(Section):
 
     model_config = SettingsConfigDict(env_prefix="SPANRL_TRAINER_", extra="ignore")
     TITLE: ClassVar[str] = "Trainer (`TrainerConfig`, trainer/train.py)"
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        """The sections' sources, then the recipe ``SPANRL_RECIPE`` names (the lowest of them)."""
+        return (*super().settings_customise_sources(settings_cls, init_settings, env_settings, dotenv_settings,
+                                                    file_secret_settings), _RecipeSource(settings_cls))
 
     run: str | None = setting(None, "run name", readers="trainer", shown="`SPANRL_RUN`")
     base_dir: Path | None = setting(None, "the base model's directory", readers="trainer",

@@ -284,31 +284,11 @@ def test_demo_runs_the_plan_under_the_command_lines_options(monkeypatch):
     import examples.math_agent.main_job as main_job
     from spanrl.core.settings import get_settings
     from spanrl.infra import cli
+    from stackless_demo import stackless_demo
 
     seen: dict = {}
-
-    class NoStack:
-        def running(self, name):
-            return False
-
-        def down(self):
-            seen["down"] = True
-
-    def fake_main_job(cfg, console=None):
-        import os
-
-        seen["cfg"], seen["env"] = cfg, {k: os.environ.get(k) for k in ("SPANRL_TRAINER_LORA_RANK",
-                                                                         "SPANRL_TRAINER_LR", "SPANRL_TRAINER_KL_COEF")}
-        return {"paths": {}}
-
-    monkeypatch.setattr(cli, "Stack", NoStack)
-    monkeypatch.setattr(cli, "_check_free_space", lambda command: None)
-    monkeypatch.setattr(cli, "_fresh_run", lambda prefix: NoStack())
-    monkeypatch.setattr(cli, "_up_or_exit", lambda stack: None)
-    monkeypatch.setattr(main_job, "run_main_job", fake_main_job)
-    for k in {*main_job.DEMO_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS"}:
-        monkeypatch.setenv(k, "")  # recorded, so that what the demo sets is undone after the test
-        monkeypatch.delenv(k)
+    stackless_demo(monkeypatch, seen, ("SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAINER_LR", "SPANRL_TRAINER_KL_COEF"),
+                   forget={*main_job.DEMO_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS"})
     monkeypatch.setenv("SPANRL_MODEL", "qwen2.5-coder-0.5b")
     monkeypatch.setenv("SPANRL_TRAINER_LR", "2e-5")  # the environment wins over the plan
     get_settings.cache_clear()
