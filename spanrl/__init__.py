@@ -10,7 +10,9 @@ The public surface (everything else is internal); each name is imported when fir
   :func:`instrument`, :func:`emit_reward`, :func:`flush`;
 - the agent spec: :class:`AgentSpec` (what ``spanrl demo --agent my_pkg.my_agent:spec``,
   ``spanrl study``, ``spanrl eval`` and the release gate load), :func:`load_agent_spec`,
-  :class:`AgentSpecError`.
+  :class:`AgentSpecError`;
+- trainer recipes as data: :class:`Recipe`, :func:`get_recipe`, :func:`recipe_env` (``default``
+  is the measured one; ``SPANRL_RECIPE=name`` selects one for the trainer).
 
 Example::
 
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors (imported lazily below)
     from spanrl.core.agent_spec import AgentSpec, AgentSpecError
+    from spanrl.core.recipes import Recipe, get_recipe, recipe_env
     from spanrl.infra.agents import load_agent_spec
     from spanrl.producers.instrument import emit_reward, flush, instrument
     from spanrl.producers.runner import RolloutContext, Runner, make_task, publish_tasks
@@ -83,6 +86,9 @@ _EXPORTS = {
     "AgentSpec": "spanrl.core.agent_spec",
     "AgentSpecError": "spanrl.core.agent_spec",
     "load_agent_spec": "spanrl.infra.agents",
+    "Recipe": "spanrl.core.recipes",
+    "get_recipe": "spanrl.core.recipes",
+    "recipe_env": "spanrl.core.recipes",
 }
 __all__ = list(_EXPORTS)
 

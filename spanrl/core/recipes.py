@@ -41,7 +41,10 @@ class Measured:
 @dataclass(frozen=True)
 class Recipe:
     """Named trainer settings: ``fields`` (TrainerConfig field -> :class:`Measured`) over the
-    recipe ``based_on`` (None: over TrainerConfig's defaults)."""
+    recipe ``based_on`` (None: over TrainerConfig's defaults).
+
+    Example: ``get_recipe("qwen05b-lora").fields["lora_rank"].value == 16``, its ``source`` the
+    study that measured it; ``get_recipe("qwen05b-lora").based_on == "default"``."""
 
     name: str
     doc: str
@@ -104,7 +107,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (DEFAULT, QWEN05B_LORA, QWEN05B
 
 
 def get_recipe(name: str) -> Recipe:
-    """The recipe ``name``; ValueError naming the known ones."""
+    """The recipe ``name``; ValueError naming the known ones.
+
+    Example: ``get_recipe("default").fields["batching"].value == "barrier"``."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
     return RECIPES[name]
@@ -146,7 +151,11 @@ def env_text(value: Scalar) -> str:
 
 def recipe_env(name: str, over: str | None = None) -> dict[str, str]:
     """The ``SPANRL_TRAINER_*`` variables of recipe ``name`` (with ``over``: only what it adds
-    to that recipe), checked against TrainerConfig's fields."""
+    to that recipe), checked against TrainerConfig's fields.
+
+    Example: ``recipe_env("qwen05b-lora-tree", over="qwen05b-lora")`` is
+    ``{"SPANRL_TRAINER_TREE_PACKING": "true"}``; a child process's environment with
+    ``recipe_env("default")`` trains with the measured recipe."""
     from spanrl.core.settings import TrainerConfig
 
     return TrainerConfig.env(**{k: env_text(v) for k, v in recipe_values(name, over).items()})

@@ -1,5 +1,5 @@
 """The public surface: ``import spanrl`` names the user's API (runner and context, tasks,
-telemetry, the agent spec), each documented with an example, imported lazily (no Kafka,
+telemetry, the agent spec, the recipes), each documented with an example, imported lazily (no Kafka,
 OpenTelemetry or torch at ``import spanrl``); ``spanrl --help`` gives every command one line."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import spanrl
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = ["Runner", "RolloutContext", "make_task", "publish_tasks", "instrument", "emit_reward", "flush",
-          "AgentSpec", "AgentSpecError", "load_agent_spec"]
+          "AgentSpec", "AgentSpecError", "load_agent_spec", "Recipe", "get_recipe", "recipe_env"]
 
 
 def test_all_names_the_public_surface_and_each_is_documented_with_an_example():
