@@ -648,8 +648,11 @@ class TrainerConfig(Section):
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "
                                 "many mini-batches, one step each, every PPO epoch", readers="trainer")
     batching: str = setting("stream", "when an update happens: `stream` (min_batch samples buffered, or idle_flush_s "
-                            "without new ones; max_batch at most) or `barrier` (only on `POST /admin/train`)",
-                            readers="trainer")
+                            "without new ones; max_batch at most), `barrier` (only on `POST /admin/train`) or "
+                            "`groups` (update_groups complete groups buffered, each group's samples in one update: "
+                            "no driver, no clock; trainer/batching.py `group_cut`)", readers="trainer")
+    update_groups: int = setting(6, "`groups` batching: complete GRPO groups per update (6: the math demo's tasks "
+                                 "an iteration)", unit="groups", readers="trainer")
     grad_clip: float = setting(1.0, "gradient clipping norm", readers="trainer")
     ppo_epochs: int = setting(1, "passes over an update's samples", readers="trainer")
     min_batch: int = setting(16, "samples that start a `stream` update", unit="samples", readers="trainer")
