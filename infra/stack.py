@@ -109,10 +109,11 @@ class Stack:
 
     # --- component table -----------------------------------------------------------
     def service_env(self) -> dict[str, str]:
-        """Environment shared by spanrl's Python services."""
+        """Environment shared by spanrl's Python services. ``PYTHONPATH``: the checkout, then the
+        caller's (where a user's agent spec and runner live: the release gate's agent)."""
         cache = str(self.s.cache_dir)
         return {
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env_value("PYTHONPATH", "")) if p),
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

@@ -169,3 +169,18 @@ def test_commands_refuse_a_bad_spec_before_anything_starts(user_pkg, monkeypatch
     monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
     CliRunner().invoke(cli.app, ["eval", "--task-set", "userpkg.my_agent:spec:heldout", "--tasks", "2"])
     assert (seen["cfg"].agent, seen["cfg"].task_set) == ("userpkg.my_agent:run", "userpkg.my_agent:spec:heldout")
+
+
+def test_the_stacks_services_see_the_users_pythonpath(monkeypatch, tmp_path):
+    """The reloader (the release gate's agent) and every other service import from the checkout
+    first, then from the caller's PYTHONPATH, where a user's spec and runner live."""
+    import os
+
+    from spanrl.core.settings import Settings
+    from spanrl.infra.stack import ROOT, Stack
+
+    stack = Stack(Settings.from_environ({}))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert stack.service_env()["PYTHONPATH"] == f"{ROOT}{os.pathsep}{tmp_path}"
+    monkeypatch.delenv("PYTHONPATH")
+    assert stack.service_env()["PYTHONPATH"] == str(ROOT)
