@@ -59,11 +59,15 @@ def _check_str(name: str, value: Any) -> None:
 
 
 def _check_runner(value: Any) -> None:
+    """A module-level callable (its ``module:qualname`` names it to the processes that run it:
+    the runner, the evaluator, the release gate) or a ``module:attribute`` string."""
     if callable(value):
-        return
+        qualname = getattr(value, "__qualname__", "<none>")
+        if "<" not in qualname and "." not in qualname and getattr(value, "__module__", None):
+            return
     module, sep, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
     if not (module and sep and attr):
-        raise _field_error("runner", "the agent callable or its 'module:attribute'", value)
+        raise _field_error("runner", "a module-level agent callable or its 'module:attribute'", value)
 
 
 def _check_names(value: Any) -> None:
@@ -133,10 +137,10 @@ class AgentSpec:
         if not self.name:
             raise _field_error("name", "a non-empty string", self.name)
         _check_runner(self.runner)
-        for name in ("load_tasks", "task_kind"):
-            value = getattr(self, name)
-            if not callable(value) and not (name == "task_kind" and value is None):
-                raise _field_error(name, "a callable" + (" or None" if name == "task_kind" else ""), value)
+        if not callable(self.load_tasks):
+            raise _field_error("load_tasks", "a callable", self.load_tasks)
+        if self.task_kind is not None and not callable(self.task_kind):
+            raise _field_error("task_kind", "a callable or None", self.task_kind)
         for name in ("train_seed", "heldout_seed"):
             if not _is_int(getattr(self, name)):
                 raise _field_error(name, "an integer", getattr(self, name))
