@@ -2,7 +2,7 @@
 
 A recipe names :class:`~spanrl.core.settings.TrainerConfig` fields and their values, over the
 recipe it is ``based_on`` (TRL's and nanoGPT's configs as plain data). ``default`` is the
-setting measured in LEARNING.md ("The default since session 29": study 11, three seeds), what
+setting measured in LEARNING.md (study 11 in three seeds, 2026-12-05), what
 ``make demo`` and ``spanrl study`` train with; the 0.5B LoRA recipes are the SQL, math and RAG
 agents' demos with qwen2.5-coder-0.5b (issue 19).
 
@@ -52,7 +52,7 @@ class Recipe:
     based_on: str | None = None
 
 
-_STUDY_11 = ("study 11 (LEARNING.md, 'The default since session 29'): in each of three seeds held-out greedy and "
+_STUDY_11 = ("study 11 (LEARNING.md, three seeds, 2026-12-05): in each of three seeds held-out greedy and "
              "sampled correctness rose (greedy +0.190, +0.090, +0.210) and iteration 0's rewarded completions "
              "ended more likely under the final policy")
 
@@ -169,3 +169,27 @@ def describe(name: str) -> list[dict[str, Any]]:
         for k, m in recipe.fields.items():
             rows[k] = {"field": k, "value": m.value, "source": m.source, "recipe": recipe.name}
     return list(rows.values())
+
+
+def markdown(name: str) -> str:
+    """Recipe ``name`` as a markdown table: each field, its value, the recipe that sets it and
+    its source (``python -m spanrl.core.recipes NAME``; the reference of where a value comes from)."""
+    lines = [f"**{name}**: {get_recipe(name).doc}", "", "| setting | value | recipe | source |", "|---|---|---|---|"]
+    for row in describe(name):
+        variable = f"SPANRL_TRAINER_{row['field'].upper()}"
+        source = row["source"].replace("|", "\\|")
+        lines.append(f"| `{variable}` | `{env_text(row['value'])}` | {row['recipe']} | {source} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="spanrl's trainer recipes, each value with its source.")
+    p.add_argument("names", nargs="*", help=f"recipes to print (default: all; known: {', '.join(RECIPES)})")
+    for name in p.parse_args(argv).names or RECIPES:
+        print(markdown(name))
+
+
+if __name__ == "__main__":
+    main()

@@ -107,3 +107,14 @@ def test_demo_recipe_option_applies_the_recipe_whole(monkeypatch):
                                "SPANRL_RECIPE": "qwen05b-lora-tree"}
     finally:
         get_settings.cache_clear()
+
+
+def test_the_recipes_reference_table(capsys):
+    table = R.markdown("qwen05b-lora-tree").splitlines()
+    assert table[:4] == ["**qwen05b-lora-tree**: " + R.get_recipe("qwen05b-lora-tree").doc, "",
+                         "| setting | value | recipe | source |", "|---|---|---|---|"]
+    assert len(table) == 4 + 11
+    assert table[4].startswith("| `SPANRL_TRAINER_LR` | `5e-5` | qwen05b-lora | issue 19 (LEARNING.md)")
+    assert table[-1].startswith("| `SPANRL_TRAINER_TREE_PACKING` | `true` | qwen05b-lora-tree | trainer/tree_pack.py")
+    R.main(["default"])
+    assert capsys.readouterr().out == R.markdown("default") + "\n"
