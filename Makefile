@@ -14,8 +14,9 @@ endif
 bootstrap:
 	@bash infra/bootstrap.sh
 
-## Main job: start the stack, run an example agent through the whole loop, stop.
-## AGENT=math (default: the one whose learning was measured) | sql | rag.
+## Main job: start the stack, run an agent through the whole loop, stop.
+## AGENT=math (default: the one whose learning was measured) | sql | rag, or your own agent's spec,
+## module:attribute of a spanrl.AgentSpec on PYTHONPATH (AGENT=my_pkg.my_agent:spec).
 AGENT ?= math
 demo: bootstrap
 	$(PY) -m spanrl.infra.cli demo --agent $(AGENT) $(ARGS)

@@ -292,17 +292,17 @@ def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = F
     (the second into ``out/seed-<seed>-repeat/``) and the report's ``repeatability`` compares
     the two (:func:`compare_repeat`). The stack must be down (its trainer reads the seed and
     run at start-up); raises RuntimeError if it is up."""
-    from examples.agents import agent_spec
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
+    from examples.math_agent.main_job import MainJobConfig, demo_trainer_env, run_main_job
+    from spanrl.infra.agents import load_agent_spec
     from spanrl.core.settings import get_settings, set_env, setdefault_env
     from spanrl.infra.stack import Stack
 
     if Stack().running("trainer"):
         raise RuntimeError("the stack is up: a study starts its own stack per seed (stop it with `make down`)")
-    spec = agent_spec(size.get("agent", "math"))
-    for k, v in DEMO_TRAINER_ENV.items():
+    spec = load_agent_spec(size.get("agent", "math"))
+    for k, v in demo_trainer_env({}, get_settings().recipe or None).items():  # SPANRL_RECIPE, else the default
         setdefault_env(k, v)
-    setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)
+    setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     dirs, repeats = [], {}
 

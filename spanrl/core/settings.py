@@ -121,6 +121,20 @@ class _MappingSource(PydanticBaseSettingsSource):
         return out
 
 
+class _RecipeSource(PydanticBaseSettingsSource):
+    """TrainerConfig's values from the recipe ``SPANRL_RECIPE`` names (spanrl/core/recipes.py):
+    below the environment's ``SPANRL_TRAINER_*``, above the declared defaults."""
+
+    def get_field_value(self, field, field_name: str):
+        return None, field_name, False  # the recipe is read whole in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        from spanrl.core.recipes import recipe_values
+
+        name = Settings.from_environ(_ENVIRON.get()).recipe
+        return recipe_values(name) if name else {}
+
+
 class Section(BaseSettings):
     """A component's settings: ``env_prefix`` + field name is each variable's name."""
 
@@ -251,6 +265,10 @@ class Settings(Section):
                                "rollout's index in its group, the attempt and the call (producers/seeding.py); "
                                "the trainer's torch seed defaults to it. `none` (or empty): unseeded sampling",
                                readers="runner, trainer, main job")
+    recipe: str = setting("", "a named trainer recipe (spanrl/core/recipes.py: `default` is the measured one, "
+                          "`qwen05b-lora`, `qwen05b-lora-tree`): its values are the trainer's defaults, a "
+                          "`SPANRL_TRAINER_*` variable still wins field by field; empty: `TrainerConfig`'s own",
+                          readers="trainer, demo, study")
     vllm_tool_call_parser: str | None = setting(None, "vLLM's `--tool-call-parser` (with "
                                                 "`--enable-auto-tool-choice`); empty: no parser (`tools` get 400)",
                                                 readers="stack", shown="the model's (spanrl/core/model.py)")
@@ -284,6 +302,16 @@ class Settings(Section):
                            readers="trainer, main job, eval")
     tracker_dir: Path | None = setting(None, "where tracking logs go (`RUN/trainer`, `RUN/main_job`, `eval/NAME` "
                                        "below it)", readers="trainer, main job, eval", shown="`state_dir/tensorboard`")
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, value: str) -> str:
+        from spanrl.core.recipes import get_recipe
+
+        value = value.strip()
+        if value:
+            get_recipe(value)  # ValueError naming the known recipes
+        return value
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -563,6 +591,13 @@ class TrainerConfig(Section):
     model_config = SettingsConfigDict(env_prefix="SPANRL_TRAINER_", extra="ignore")
     TITLE: ClassVar[str] = "Trainer (`TrainerConfig`, trainer/train.py)"
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        """The sections' sources, then the recipe ``SPANRL_RECIPE`` names (the lowest of them)."""
+        return (*super().settings_customise_sources(settings_cls, init_settings, env_settings, dotenv_settings,
+                                                    file_secret_settings), _RecipeSource(settings_cls))
+
     run: str | None = setting(None, "run name", readers="trainer", shown="`SPANRL_RUN`")
     base_dir: Path | None = setting(None, "the base model's directory", readers="trainer",
                                     shown="the stack's model directory")
@@ -614,8 +649,11 @@ class TrainerConfig(Section):
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "
                                 "many mini-batches, one step each, every PPO epoch", readers="trainer")
     batching: str = setting("stream", "when an update happens: `stream` (min_batch samples buffered, or idle_flush_s "
-                            "without new ones; max_batch at most) or `barrier` (only on `POST /admin/train`)",
-                            readers="trainer")
+                            "without new ones; max_batch at most), `barrier` (only on `POST /admin/train`) or "
+                            "`groups` (update_groups complete groups buffered, each group's samples in one update: "
+                            "no driver, no clock; trainer/batching.py `group_cut`)", readers="trainer")
+    update_groups: int = setting(6, "`groups` batching: complete GRPO groups per update (6: the math demo's tasks "
+                                 "an iteration)", unit="groups", readers="trainer")
     grad_clip: float = setting(1.0, "gradient clipping norm", readers="trainer")
     ppo_epochs: int = setting(1, "passes over an update's samples", readers="trainer")
     min_batch: int = setting(16, "samples that start a `stream` update", unit="samples", readers="trainer")
@@ -707,13 +745,14 @@ class ReloaderConfig(Section):
                               readers="reloader")
     gate: bool = setting(False, "release gate (trainer/gate.py): evaluate each new checkpoint on held-out tasks "
                          "before it becomes the served policy", readers="reloader")
-    gate_agent: str = setting("examples.math_agent.agent:math_agent", "the gate's agent (`module:attribute`)",
-                              readers="reloader")
+    gate_agent: str = setting("examples.math_agent.agent:math_agent", "the gate's agent: a runner callable or an "
+                              "AgentSpec (`module:attribute`)", readers="reloader")
     gate_evaluation: str = setting("spanrl.infra.evaluation:gate_rewards",
                                    "what runs the gate's held-out episodes (`module:attribute`, "
                                    "trainer/gate.py `GateEvaluation`): the control plane's evaluator",
                                    readers="reloader")
-    gate_task_set: str = setting("arith_word", "the gate's task set", readers="reloader")
+    gate_task_set: str = setting("arith_word", "the gate's task set: a math task set or `AGENT:SPLIT` (AGENT an "
+                                 "AgentSpec's `module:attribute` or math, sql, rag)", readers="reloader")
     gate_seed: int = setting(1000, "the held-out seed; items [gate_offset, gate_offset + gate_tasks)",
                              readers="reloader")
     gate_offset: int = setting(200, "past the 200 the main job reports, so serving decisions never saw those",
