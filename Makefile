@@ -9,13 +9,14 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-slow test-unit up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
+.PHONY: bootstrap demo study test test-slow test-unit docs up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
 
-## Main job: start the stack, run an example agent through the whole loop, stop.
-## AGENT=math (default: the one whose learning was measured) | sql | rag.
+## Main job: start the stack, run an agent through the whole loop, stop.
+## AGENT=math (default: the one whose learning was measured) | sql | rag, or your own agent's spec,
+## module:attribute of a spanrl.AgentSpec on PYTHONPATH (AGENT=my_pkg.my_agent:spec).
 AGENT ?= math
 demo: bootstrap
 	$(PY) -m spanrl.infra.cli demo --agent $(AGENT) $(ARGS)
@@ -39,6 +40,11 @@ test-slow: bootstrap
 ## The unit tests alone (no stack), in parallel.
 test-unit: bootstrap
 	$(PY) -m pytest tests/unit -q -p xdist -n 2
+
+## The documentation site (mkdocs.yml, docs/) at http://127.0.0.1:8000/; tests/unit/test_docs.py builds it
+## with --strict in `make test`.
+docs: bootstrap
+	$(PY) -m mkdocs serve $(ARGS)
 
 up: bootstrap
 	$(PY) -m spanrl.infra.cli stack up $(ARGS)
@@ -69,7 +75,7 @@ bench-vllm-lora: bootstrap
 ## setting's iteration 0) unpacked and tree-packed, side by side (bench/tree_pack.py); nothing else
 ## running. ARGS="--groups 4": half of the update. Writes bench/results/tree-pack.json.
 bench-tree-pack: bootstrap
-	$(PY) -m bench.tree_pack docs/bench/rag05_8q_samples_v0.json --out bench/results/tree-pack.json $(ARGS)
+	$(PY) -m bench.tree_pack docs/data/bench/rag05_8q_samples_v0.json --out bench/results/tree-pack.json $(ARGS)
 
 ## Soak (issue 21): the sustained workload at a fixed rate with the trainer consuming, >= 1 h by
 ## default (80 spans/s, 65 min, 15 min warm-up); every process's RSS and CPU over time, calls in

@@ -7,7 +7,7 @@ Prepared for the `device` machine (one GPU, torch's CUDA build installed there):
 
 Same code path as bench.trainer_bench (spanrl.trainer.train.build_engine -> DeepSpeed ZeRO-2, bf16,
 FusedAdam; train_update), bigger defaults. Refuses to run without CUDA. Copy the printed
-JSON's figures into BENCHMARKS.md (row "trainer, GPU").
+JSON's figures into docs/measured/benchmarks-archive.md (row "trainer, GPU" of the 100-rollout burst).
 """
 from __future__ import annotations
 

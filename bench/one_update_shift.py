@@ -14,7 +14,7 @@ updates and its reference KL only when set, e.g. ``kl_coef=0.2``) on the samples
 non-zero advantage under the updated weights in the trainer's own forward (no vLLM needed):
 ``examples.math_agent.main_job.logprob_shift``, the main job's figure for its first iteration,
 whose `base` line (the weights before the update) must be 0.0 when the recorded behaviour
-log-probs are exact. Prints one JSON line per setting (LEARNING.md, session 18). Offline and
+log-probs are exact. Prints one JSON line per setting (docs/measured/learning-archive.md, 2026-12-03). Offline and
 on CPU: ~2.5 min per setting for 75 samples of SmolLM2-135M on 2 cores.
 ``--chain`` replays every recorded version in order, one update each, and prints iteration 0's
 shift after each (:func:`run_chain`; a screening replay, off-policy after the first update).

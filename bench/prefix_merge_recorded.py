@@ -3,7 +3,7 @@ update merged and per call, side by side (issue 20 items 3 and 4).
 
     python -m bench.one_update_shift dump samples.json           # the stack's `samples` topic
     python -m bench.prefix_merge_recorded samples.json --offsets FIRST:END --update-version 0 \\
-        --out docs/bench/prefix_merge_recorded.json
+        --out docs/data/bench/prefix_merge_recorded.json
 
 For every behaviour version of the samples (one update's worth with barrier batching):
 ``prefix_merge.merge_calls`` over them as one mini-batch — rows, links, tokens forwarded merged

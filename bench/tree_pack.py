@@ -32,13 +32,13 @@ FIGURES = ("loss", "approx_kl", "ref_kl", "clip_frac", "grad_norm")
 
 def demo_trainer_config(model: str):
     """TrainerConfig of ``make demo MODEL=<model>``'s trainer: the math main job's
-    ``DEMO_TRAINER_ENV`` with ``examples.agents.demo_plan``'s model entries over it (the one
+    ``DEMO_TRAINER_ENV`` with the RAG spec's ``demo_plan`` model entries over it (the one
     place each is written; the RAG and SQL specs share the 0.5B model's entry)."""
-    from examples.agents import agent_spec, demo_plan
     from examples.math_agent.main_job import DEMO_TRAINER_ENV
     from spanrl.core.settings import TrainerConfig
+    from spanrl.infra.agents import load_agent_spec
 
-    env = {**DEMO_TRAINER_ENV, **demo_plan(agent_spec("rag"), model)["trainer_env"]}
+    env = {**DEMO_TRAINER_ENV, **load_agent_spec("rag").demo_plan(model)["trainer_env"]}
     return TrainerConfig.from_environ(env)
 
 

@@ -2,7 +2,7 @@
 side by side in one invocation, on one vLLM (issue 19 item 2).
 
     SPANRL_MODEL=qwen2.5-coder-0.5b python -m bench.vllm_lora [--lora-rank 16] [--prompts 8]
-        [--max-tokens 48] [--out docs/model/vllm_lora_qwen05b.json]
+        [--max-tokens 48] [--out docs/data/model/vllm_lora_qwen05b.json]
 
 For the model of ``SPANRL_MODEL``: a rank-R adapter with the trainer's settings (``lora_alpha``,
 ``lora_target_modules``; trainer/lora.py ``wrap``) whose ``lora_B`` is drawn N(0, ``--b-std``²),

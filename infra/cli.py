@@ -1,13 +1,15 @@
-"""``spanrl`` command line: the local stack, the main job and replay.
+"""spanrl's command line: the local stack, an agent's demo, study and evaluation, replay, chaos.
 
     spanrl stack up [--only kafka,minio]   start components, wait for health
     spanrl stack status                    table of components, health, endpoints
     spanrl stack down                      stop everything
     spanrl stack logs NAME [-n 50]         tail a component's log
-    spanrl demo [--keep-up] ...            the main job (examples/math_agent/main_job.py)
+    spanrl demo [--agent REF] ...          the main job (examples/math_agent/main_job.py)
+    spanrl study [--seeds 3] ...           the main job once per run seed, one report across seeds
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
+    spanrl test [--tier fast|slow|all]     start the stack, run a test tier, stop it (make test)
     spanrl calls [--rollout ID] [--last N] each LLM call's agent (resolved how), trained or excluded
     spanrl runs                            runs with checkpoints (MinIO, local copies), sizes, free space
     spanrl clean 'PATTERN' [--dry-run]     delete matching runs' checkpoints (MinIO and local)
@@ -21,7 +23,7 @@ from rich.table import Table
 from spanrl.core.settings import StreamSettings, UnknownSetting, child_env, setdefault_env
 from spanrl.infra.stack import Stack, StackError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n\n")[0])
 stack_app = typer.Typer(no_args_is_help=True, help="Start, inspect and stop the local stack.")
 app.add_typer(stack_app, name="stack")
 console = Console()
@@ -370,12 +372,45 @@ def _heldout_modes(value: str | None) -> tuple[str, ...] | None:
     return modes
 
 
+RECIPE_HELP = ("a trainer recipe of spanrl/core/recipes.py (default | qwen05b-lora | qwen05b-lora-tree), applied "
+               "whole instead of the demo's trainer settings; SPANRL_TRAINER_* variables still win (default: "
+               "SPANRL_RECIPE; unset: the default recipe with the agent's per-model settings)")
+
+
+def _recipe(name: str | None) -> str | None:
+    """The recipe chosen: ``name`` (set as ``SPANRL_RECIPE``, so the stack's trainer reads it too),
+    else ``SPANRL_RECIPE``; None when neither. An unknown name is the command line's error."""
+    from spanrl.core.recipes import get_recipe
+    from spanrl.core.settings import get_settings, set_env
+
+    if name is not None:
+        try:
+            get_recipe(name)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc))
+        set_env("SPANRL_RECIPE", name)
+        get_settings.cache_clear()
+    return get_settings().recipe or None
+
+
+def _agent_spec(ref: str):
+    """The AgentSpec ``ref`` names (spanrl/infra/agents.py); a bad reference or spec is the
+    command line's error, before anything starts."""
+    from spanrl.infra.agents import load_agent_spec
+
+    try:
+        return load_agent_spec(ref)
+    except ValueError as exc:  # AgentSpecError
+        raise typer.BadParameter(str(exc))
+
+
 @app.command()
 def demo(
-    agent: str = typer.Option("math", help="math (AutoGen calculator) | sql (LangGraph text-to-SQL team, "
-                              "write/rewrite trained, check excluded) | rag (Agents SDK retrieval)"),
+    agent: str = typer.Option("math", help="the agent spec: module:attribute (an AgentSpec on PYTHONPATH) or "
+                              "math (AutoGen calculator) | sql (LangGraph text-to-SQL team, write/rewrite "
+                              "trained, check excluded) | rag (Agents SDK retrieval)"),
     iterations: int = typer.Option(None, help="tasks -> rollouts -> samples -> update -> reload cycles "
-                                   "(default: the agent's DEMO size)"),
+                                   "(default: the agent's demo size)"),
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after (0: none)"),
@@ -391,33 +426,32 @@ def demo(
                                        "arith_word_balanced (one of each kind per 6 tasks)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
     keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
+    recipe: str = typer.Option(None, help=RECIPE_HELP),
 ) -> None:
-    """The main job: a calculator math agent learns through Kafka, Faust, DeepSpeed, MinIO, vLLM;
-    the base and the final policy are evaluated on held-out tasks."""
+    """The main job: an agent (``--agent``: an AgentSpec by module:attribute, or math | sql | rag)
+    learns through Kafka, Faust, DeepSpeed, MinIO, vLLM; the base and the final policy are
+    evaluated on held-out tasks."""
     from pathlib import Path
 
-    from examples.agents import agent_spec, demo_plan
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
+    from examples.math_agent.main_job import MainJobConfig, demo_trainer_env, run_main_job
     from spanrl.core.settings import get_settings
 
-    try:
-        spec = agent_spec(agent)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc))
+    spec = _agent_spec(agent)
+    chosen = _recipe(recipe)
     modes = _heldout_modes(heldout_modes)
-    plan = demo_plan(spec, get_settings().model)  # the agent's demo with this base policy
+    plan = spec.demo_plan(get_settings().model)  # the agent's demo with this base policy
     size = {**plan["size"], **{k: v for k, v in {"iterations": iterations, "tasks": tasks, "group_size": group_size,
                                                   "heldout_tasks": heldout_tasks}.items() if v is not None}}
     options = {**plan["options"], **{k: v for k, v in {"ood_tasks": ood_tasks, "train_task_set": train_task_set or None,
                                                         "heldout_modes": modes, "logprob_shift": logprob_shift}.items()
                                      if v is not None}}
     if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
-        for k, v in {**DEMO_TRAINER_ENV, **plan["trainer_env"]}.items():
+        for k, v in demo_trainer_env(plan["trainer_env"], chosen).items():
             setdefault_env(k, v)
-        setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)  # read by the stream job at start
-    elif StreamSettings().train_agents != spec.TRAIN_AGENTS:
+        setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)  # read by the stream job at start
+    elif StreamSettings().train_agents != spec.train_agents:
         console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s demo "
-                      f"trains {spec.TRAIN_AGENTS or 'every agent'} (restart the stack to apply)[/yellow]")
+                      f"trains {spec.train_agents or 'every agent'} (restart the stack to apply)[/yellow]")
     _check_free_space("demo")
     stack = _fresh_run("demo")
     _up_or_exit(stack)
@@ -436,7 +470,9 @@ def demo(
 def study(
     seeds: int = typer.Option(3, help="how many run seeds (first_seed, first_seed + 1, ...)"),
     first_seed: int = typer.Option(0, help="the first run seed"),
-    iterations: int = typer.Option(None, help="iterations per seed (default: the math agent's DEMO size)"),
+    agent: str = typer.Option("math", help="the agent spec: module:attribute (an AgentSpec on PYTHONPATH) or "
+                              "math | sql | rag"),
+    iterations: int = typer.Option(None, help="iterations per seed (default: the agent's demo size)"),
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
     group_size: int = typer.Option(None, help="rollouts per task (GRPO group)"),
     heldout_tasks: int = typer.Option(None, help="held-out tasks evaluated before and after"),
@@ -447,21 +483,20 @@ def study(
     out: str = typer.Option("results/study", help="where study.json, study.png and seed-<k>/ go"),
     repeat: bool = typer.Option(False, help="run every seed twice and compare the two runs (weights per "
                                 "version, held-out episodes)"),
+    recipe: str = typer.Option(None, help=RECIPE_HELP),
 ) -> None:
     """The main job once per run seed (a fresh stack run each), and one report across seeds:
     per seed and pooled paired differences, greedy and sampled, per kind, out of distribution."""
     from pathlib import Path
 
-    from examples.agents import agent_spec
     from spanrl.infra.study import pooled_text, run_study
 
     if seeds < 1:
         raise typer.BadParameter("--seeds must be >= 1")
-    size = {**agent_spec("math").DEMO, **{k: v for k, v in {"iterations": iterations, "tasks": tasks,
-                                                             "group_size": group_size,
-                                                             "heldout_tasks": heldout_tasks,
-                                                             "ood_tasks": ood_tasks,
-                                                             "train_task_set": train_task_set}.items() if v is not None}}
+    _recipe(recipe)  # run_study applies it (SPANRL_RECIPE)
+    given = {"iterations": iterations, "tasks": tasks, "group_size": group_size, "heldout_tasks": heldout_tasks,
+             "ood_tasks": ood_tasks, "train_task_set": train_task_set}
+    size = {**_agent_spec(agent).demo, "agent": agent, **{k: v for k, v in given.items() if v is not None}}
     _check_free_space("demo")
     try:
         report = run_study(list(range(first_seed, first_seed + seeds)), Path(out), size, console, repeat)
@@ -493,10 +528,11 @@ def study(
 def eval_cmd(
     policy: list[str] = typer.Option(["base"], help="base or RUN:VERSION (repeat: compared on the same tasks, "
                                      "paired differences against the first)"),
-    agent: str = typer.Option(None, help="runner callable module:attribute (default: the RUNNER of the task "
-                              "set's agent, examples/agents.py; the math agent for arith_word/gsm_symbolic)"),
-    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic (math) | AGENT:SPLIT, e.g. "
-                                 "sql:heldout, rag:heldout (examples/agents.py)"),
+    agent: str = typer.Option(None, help="runner callable or agent spec, module:attribute (default: the runner "
+                              "of the task set's agent; the math agent for arith_word/gsm_symbolic)"),
+    task_set: str = typer.Option("arith_word", help="arith_word | gsm_symbolic (math) | AGENT:SPLIT, AGENT a "
+                                 "spec's module:attribute or math | sql | rag, e.g. sql:heldout, "
+                                 "my_pkg.my_agent:spec:heldout"),
     seed: int = typer.Option(1000, help="task seed (the main job trains on seed 0; 1000 is held out: "
                              "examples/math_agent/tasks.py TRAIN_SEED, HELDOUT_SEED)"),
     tasks: int = typer.Option(200, help="number of tasks"),
@@ -516,12 +552,9 @@ def eval_cmd(
     from spanrl.infra.evaluation import EvalConfig, EvalError, evaluate
 
     if agent is None:
-        from examples.agents import agent_spec
+        from spanrl.infra.agents import split_task_set
 
-        try:
-            agent = agent_spec(task_set.split(":", 1)[0] if ":" in task_set else "math").RUNNER
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc))
+        agent = _agent_spec((split_task_set(task_set) or ("math", ""))[0]).runner_ref
     cfg = EvalConfig(policies=list(policy), agent=agent, task_set=task_set, seed=seed, tasks=tasks,
                      samples=samples, temperature=None if temperature < 0 else temperature,
                      concurrency=concurrency, out_dir=Path(out), name=name)
@@ -611,6 +644,41 @@ def chaos(
     console.print(table)
     console.print(f"{Path(out) / 'chaos.json'}")
     raise typer.Exit(0 if result["ok"] else 1)
+
+
+#: ``spanrl --help``'s line for the commands whose docstring's first sentence is longer than a line
+SHORT_HELP = {
+    "calls": "Each LLM call of ended attempts: its agent, how it was resolved, trained or excluded.",
+    "clean": "Delete the checkpoints of the matching runs (MinIO objects and local copies).",
+    "demo": "The main job: an agent (--agent) learns on the stack, evaluated before and after.",
+    "study": "The main job once per run seed, and one report across the seeds.",
+    "eval": "Evaluate an agent on held-out tasks under one or more policies.",
+    "replay": "Rebuild transitions from the stored spans under a new credit rule; optionally train.",
+    "chaos": "SIGKILL components mid-run and account for every acknowledged call.",
+    "test": "Start the stack, run a test tier (--tier fast | slow | all), stop the stack.",
+}
+
+
+def first_sentence(doc: str) -> str:
+    """The first sentence of ``doc``'s first paragraph, on one line."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[:end + 1]
+
+
+def one_line_help(typer_app: typer.Typer, short: dict[str, str]) -> None:
+    """Give each command of ``typer_app`` and of its groups one line in ``--help``: ``short``'s
+    entry for its name, else its docstring's first sentence."""
+    import inspect
+
+    for info in typer_app.registered_commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        info.short_help = info.short_help or short.get(name) or first_sentence(inspect.getdoc(info.callback) or "")
+    for group in typer_app.registered_groups:
+        one_line_help(group.typer_instance, short)
+
+
+one_line_help(app, SHORT_HELP)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import httpx
 
 from spanrl.core import intervals, plugins
+from spanrl.core.agent_spec import AgentSpec
 from spanrl.core.settings import ReloaderConfig, Settings, get_settings
 from spanrl.schemas import topics as T
 
@@ -77,9 +78,11 @@ def parse_policy(spec: str, default_run: str | None = None) -> tuple[str | None,
 
 
 def load_agent(path: str) -> Callable:
-    """The callable named ``module:attribute``; EvalError when it does not exist."""
+    """The callable named ``module:attribute``, or the runner of the AgentSpec it names
+    (``my_pkg.my_agent:spec``); EvalError when it does not exist."""
     try:
-        return plugins.resolve(path)
+        found = plugins.resolve(path)
+        return found.load_runner() if isinstance(found, AgentSpec) else found
     except (ImportError, AttributeError, ValueError) as exc:
         raise EvalError(f"agent {path!r} not found: {exc}") from exc
 
@@ -269,9 +272,9 @@ async def gate_rewards(cfg: ReloaderConfig, s: Settings, name: str) -> dict[str,
     """The release gate's evaluation (trainer/gate.py ``GateEvaluation``, the default of
     ``SPANRL_RELOADER_GATE_EVALUATION``): per-task reward of what vLLM serves now on the
     gate's held-out tasks, ``[gate_offset, gate_offset + gate_tasks)`` of ``gate_task_set``
-    (an example's task set, examples/agents.py ``load_split``), the agent ``gate_agent`` run
+    (a math task set or an agent's ``REF:SPLIT``, spanrl/infra/agents.py ``load_split``), the agent ``gate_agent`` run
     greedily through the proxy's evaluation routes (recorded on the evaluation topics)."""
-    from examples.agents import load_split
+    from spanrl.infra.agents import load_split
 
     tasks = load_split(cfg.gate_task_set, cfg.gate_seed, cfg.gate_offset + cfg.gate_tasks)[cfg.gate_offset:]
     run = EvalConfig(agent=cfg.gate_agent, temperature=0.0, concurrency=cfg.gate_concurrency, name=name)
@@ -295,7 +298,7 @@ def evaluate(cfg: EvalConfig, settings: Settings | None = None, tasks: list[dict
     if tasks is None:
         if cfg.tasks <= 0:
             raise EvalError("empty task set: --tasks must be positive")
-        from examples.agents import load_split
+        from spanrl.infra.agents import load_split
 
         try:
             tasks = load_split(cfg.task_set, cfg.seed, cfg.tasks)

@@ -109,10 +109,11 @@ class Stack:
 
     # --- component table -----------------------------------------------------------
     def service_env(self) -> dict[str, str]:
-        """Environment shared by spanrl's Python services."""
+        """Environment shared by spanrl's Python services. ``PYTHONPATH``: the checkout, then the
+        caller's (where a user's agent spec and runner live: the release gate's agent)."""
         cache = str(self.s.cache_dir)
         return {
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env_value("PYTHONPATH", "")) if p),
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -134,7 +135,7 @@ class Stack:
                 name,
                 # the heap committed and touched at start (-Xms = -Xmx, AlwaysPreTouch), as Kafka's
                 # docs advise: with -Xms256m the broker's RSS grew in steps towards -Xmx for an hour
-                # (make soak, BENCHMARKS.md "Soak"), so its memory looked like a leak
+                # (make soak, docs/measured/faults.md), so its memory looked like a leak
                 ["java", "-Xms768m", "-Xmx768m", "-XX:+AlwaysPreTouch", "-cp", f"{kafka_libs}/*", "kafka.Kafka",
                  str(self.kafka_dir(i + 1) / "server.properties")],
                 health=lambda port=port: _tcp_open(s.host, port),

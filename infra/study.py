@@ -118,12 +118,12 @@ def study_report(seeds: list[int], summaries: list[dict], heldout: list[dict[str
             "seed": seed, "run": summ.get("run"), "wall_s": summ.get("wall_s"),
             "logprob_shift_of_iteration0_completions": {
                 k: v.get("delta") for k, v in (summ.get("logprob_shift_of_iteration0_completions") or {}).items()},
-            # every trained completion against its own behaviour policy (absent before session 19)
+            # every trained completion against its own behaviour policy (absent before 2026-12-04)
             "logprob_shift_of_all_completions": {
                 k: v.get("delta") for k, v in ((summ.get("logprob_shift_of_all_completions") or {}).get("all")
                                                or {}).items()},
             "heldout_per_kind": summ.get("heldout_per_kind"),
-            # final - base per kind, paired (absent before session 42)
+            # final - base per kind, paired (absent before 2026-12-07)
             "heldout_per_kind_paired": summ.get("heldout_per_kind_paired"),
             "tool_use_and_calls": {m: {p: {"tool_use_rate": r.get("tool_use_rate"),
                                            "mean_llm_calls": r.get("mean_llm_calls")}
@@ -292,17 +292,17 @@ def run_study(seeds: list[int], out: Path, size: dict, console, repeat: bool = F
     (the second into ``out/seed-<seed>-repeat/``) and the report's ``repeatability`` compares
     the two (:func:`compare_repeat`). The stack must be down (its trainer reads the seed and
     run at start-up); raises RuntimeError if it is up."""
-    from examples.agents import agent_spec
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV, MainJobConfig, run_main_job
+    from examples.math_agent.main_job import MainJobConfig, demo_trainer_env, run_main_job
+    from spanrl.infra.agents import load_agent_spec
     from spanrl.core.settings import get_settings, set_env, setdefault_env
     from spanrl.infra.stack import Stack
 
     if Stack().running("trainer"):
         raise RuntimeError("the stack is up: a study starts its own stack per seed (stop it with `make down`)")
-    spec = agent_spec(size.get("agent", "math"))
-    for k, v in DEMO_TRAINER_ENV.items():
+    spec = load_agent_spec(size.get("agent", "math"))
+    for k, v in demo_trainer_env({}, get_settings().recipe or None).items():  # SPANRL_RECIPE, else the default
         setdefault_env(k, v)
-    setdefault_env("SPANRL_TRAIN_AGENTS", spec.TRAIN_AGENTS)
+    setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     dirs, repeats = [], {}
 

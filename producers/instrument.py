@@ -126,6 +126,9 @@ def instrument(service_name: str, bridge_url: str | None = None, set_global: boo
     ``frameworks``: also :func:`instrument_frameworks` with this provider (the agent
     frameworks' own OpenTelemetry instrumentations, and trace context on LLM requests),
     from which spanrl learns which agent made each LLM call.
+
+    Example: ``spanrl.instrument("my-agent")`` once at start-up of an agent process that the
+    Runner does not start (a production agent); the Runner instruments its own process.
     """
     global _provider
     if bridge_url is None or auth_token is None:
@@ -305,6 +308,10 @@ def emit_reward(value: float, final: bool = True, name: str = "reward", span_id:
     defaults to a production rollout's).
     Raises ValueError for NaN/inf, RuntimeError outside :func:`rollout_context` without
     ``rollout_id``.
+
+    Example: a production agent rewards a rollout when the user's feedback arrives, by the
+    ``x-spanrl-rollout-id`` the proxy answered:
+    ``spanrl.emit_reward(1.0, rollout_id=rollout_id, thumbs_up=1.0)``; then :func:`flush`.
     """
     check_reward(value, components)
     if rollout_id is not None:
@@ -321,7 +328,10 @@ def emit_reward(value: float, final: bool = True, name: str = "reward", span_id:
 
 
 def flush(timeout_millis: int = 30_000) -> bool:
-    """Export every finished span now; True when the export completed in time."""
+    """Export every finished span now; True when the export completed in time.
+
+    Example: ``spanrl.flush(timeout_millis=5_000)`` before a short-lived process exits, so
+    that its rewards and spans reach the bridge."""
     provider = _provider or trace.get_tracer_provider()
     force = getattr(provider, "force_flush", None)
     return bool(force(timeout_millis)) if force else True

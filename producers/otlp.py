@@ -250,7 +250,7 @@ def array_value(values) -> list:
     confirm the kind only of items that read as 0 (an item of another kind reads as 0 there;
     a non-zero value can only come from the kind itself). Otherwise, item by item
     (:func:`any_value`). Same result either way; ~4x less time for a 640-token span, where
-    the item-by-item path was 28-35 % of the bridge's CPU (BENCHMARKS.md, issue 11)."""
+    the item-by-item path was 28-35 % of the bridge's CPU (docs/measured/benchmarks-archive.md)."""
     if not values:
         return []
     kind = values[0].WhichOneof("value")

@@ -33,7 +33,20 @@ NO_API_KEY = "spanrl"  # what an OpenAI client sends when the proxy has no token
 
 @dataclass
 class RolloutContext:
-    """What the agent callable gets for one attempt."""
+    """What the agent callable gets for one attempt: the task, the proxy URL its LLM calls go
+    to (each call is recorded and trained on), and :meth:`emit_reward`.
+
+    Example::
+
+        import openai
+
+        async def my_agent(ctx: spanrl.RolloutContext) -> None:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            reply = await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": ctx.task["question"]}])
+            correct = reply.choices[0].message.content.strip() == ctx.task["answer"]
+            ctx.emit_reward(float(correct), correct=float(correct))
+    """
 
     task: dict          # the task payload (parsed JSON)
     task_id: str
@@ -67,7 +80,12 @@ class AttemptResult:
 
 
 def make_task(payload: Any, group_size: int = 4, task_id: str | None = None, timeout_s: float = 120.0) -> dict:
-    """A Task record (payload dicts are JSON-encoded)."""
+    """A Task record (payload dicts are JSON-encoded): each runner that takes it runs the agent
+    ``group_size`` times on it (one GRPO group).
+
+    Example: ``make_task({"question": "2 + 2?", "answer": "4"}, group_size=6, task_id="t1")``
+    -> ``{"task_id": "t1", "payload": '{"question": "2 + 2?", "answer": "4"}', "group_size": 6,
+    "timeout_s": 120.0, "created_ms": ...}``."""
     return {"task_id": task_id or uuid.uuid4().hex,
             "payload": payload if isinstance(payload, str) else json.dumps(payload),
             "group_size": group_size, "timeout_s": timeout_s, "created_ms": now_ms()}
@@ -78,7 +96,12 @@ async def publish_tasks(tasks: list[dict], bootstrap: str | None = None, topics:
     """Produce Task records (see :func:`make_task`; missing fields filled) keyed by task_id.
 
     ``bootstrap`` defaults to ``settings.kafka_bootstrap`` (``settings``: infra Settings,
-    default ``get_settings()``)."""
+    default ``get_settings()``). Returns the task ids.
+
+    Example::
+
+        await spanrl.publish_tasks([spanrl.make_task({"question": "2 + 2?", "answer": "4"})])
+    """
     if bootstrap is None:
         from spanrl.core.settings import get_settings
 
@@ -114,7 +137,15 @@ class _OffsetTracker:
 
 
 class Runner:
-    """Runs ``agent(ctx)`` (sync in a thread, or async) for every task of the tasks topic."""
+    """Runs ``agent(ctx)`` (sync in a thread, or async) for every task of the tasks topic,
+    ``group_size`` attempts each, ``ctx`` a :class:`RolloutContext`.
+
+    Example::
+
+        import asyncio
+
+        asyncio.run(spanrl.Runner(my_agent, concurrency=4).run())  # until stopped
+    """
 
     def __init__(self, agent: Callable[[RolloutContext], Any], group_size_default: int = 4,
                  timeout_s: float | None = None, concurrency: int = 8, group_id: str = "spanrl-runners",

@@ -7,7 +7,7 @@ dead letters. The decisions are stream_jobs/assembly.py's; this is the plumbing 
   (``at``), and a worker that recovers the state without the data (after a crash or a
   rebalance) re-reads them from spans when the attempt can end (:meth:`Assembler.advance`).
   Before, a changelogged table held them: one 3 KB record per call and one tombstone, the
-  largest share of the worker's produce traffic (BENCHMARKS.md, issue 11);
+  largest share of the worker's produce traffic (docs/measured/benchmarks-archive.md);
 - the emission rule's positions (``assembly.inputs_consumed``), in memory only: per
   partition the next offset to process of each input topic (one past the last record
   handled), and the rollouts whose attempts wait for those positions to pass their inputs

@@ -56,8 +56,8 @@ _HOST = Settings.default("host")
 @dataclass(frozen=True)
 class StreamConfig:
     """Everything the app reads from the environment: the stream job's section of the
-    settings (:class:`spanrl.core.settings.StreamSettings`, README's settings table, which
-    also gives each default) and the stack-wide addresses."""
+    settings (:class:`spanrl.core.settings.StreamSettings`; docs/reference/settings.md gives
+    each default) and the stack-wide addresses."""
 
     app_id: str = _S("stream_app_id")
     bootstrap: str = f"{_HOST}:{Settings.default('kafka_port')}"
@@ -212,7 +212,7 @@ def _faust_app(cfg: StreamConfig) -> faust.App:
         producer_max_request_size=MAX_RECORD_BYTES,
         # Faust sends every record as soon as it is queued (linger 0): one produce request
         # per changelog write/output. Batching them for 20 ms cut the worker's CPU per
-        # run by ~20 % in the bench (BENCHMARKS.md); a commit waits for it at most once.
+        # run by ~20 % in the bench (docs/measured/benchmarks-archive.md); a commit waits for it at most once.
         producer_linger=cfg.linger_s,
         # 0: the stack's (1 on one broker, 3 on a cluster: SPANRL_KAFKA_BROKERS)
         topic_replication_factor=cfg.replication_factor or get_settings().kafka_replication_factor,

@@ -6,7 +6,7 @@ its terminal event was consumed) is emitted once the worker has processed its pa
 every role's bound. The app used to test every waiting rollout of a partition after every
 input record: O(waiting) per record. In a sustained run the terminal events run ahead of the
 spans they bound (the topics are read side by side), so thousands wait, and that scan took
-~14 % of the worker's time at 1,000 spans/s (BENCHMARKS.md, issue 11) and grew with the backlog.
+~14 % of the worker's time at 1,000 spans/s (docs/measured/benchmarks-archive.md) and grew with the backlog.
 
 :class:`InputsWaitlist` keeps, per role, a min-heap of bounds. A rollout sits in the heap of
 the first role (in sorted order) that its bound is *known* not to be passed on: a role with a

@@ -7,6 +7,7 @@ log-prob of each completion token. Sequence i of a batch is
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,3 +154,57 @@ def micro_batches(samples: list, size: int) -> list[list]:
     if size < 1:
         raise ValueError("micro-batch size must be >= 1")
     return [samples[i:i + size] for i in range(0, len(samples), size)]
+
+
+# ---- group batching: updates cut by a count of complete groups ------------------------------
+
+def _group_key(sample: dict) -> tuple[str, str, int, int]:
+    """``(group_id, rollout_id, the rollout's selected calls, the group's rollouts)`` of a Sample."""
+    t = sample["transition"]
+    return sample["group_id"], t["rollout_id"], int(t["rollout_transition_count"]), int(sample["group_rollouts"])
+
+
+def group_cut(samples: Sequence[dict | None], groups: int, stalled_after: int | None = None) -> int | None:
+    """Where ``groups`` batching cuts the next update: the length of the shortest prefix of
+    ``samples`` (the trainer's buffer in reading order; None: an entry that was not decodable)
+    that holds at least ``groups`` complete groups and no incomplete one; None while there is
+    none (read more). The cut depends on the samples and their order only, never on time, and
+    each group's samples go to one update.
+
+    A group (``group_id``) is complete when it holds ``group_rollouts`` rollouts, each with its
+    ``rollout_transition_count`` samples (the stream job emits a closed group's samples
+    together). A group that cannot complete (a sample dead-lettered or refused, a late member
+    whose group was trained before) would hold every update back: once ``stalled_after``
+    (default ``2 * groups``) groups are complete, the shortest prefix with ``groups`` complete
+    groups is cut anyway, with what the stalled group has so far.
+
+    Example: buffer ``a1 a2 b1 c1 b2`` (group a: one rollout of two calls; b: one rollout of two
+    calls, c: one of one call): ``group_cut(buffer, 1) == 2`` (a), ``group_cut(buffer, 2) == 5``
+    (a, c complete at 4 but b is open there), ``group_cut(buffer[:4], 3) is None``.
+    """
+    if groups < 1:
+        raise ValueError("groups per update must be >= 1")
+    stalled_after = 2 * groups if stalled_after is None else stalled_after
+    seen: dict[str, dict[str, int]] = {}  # group -> rollout -> its samples read
+    wanted: dict[str, dict[str, int]] = {}  # group -> rollout -> its samples in all
+    rollouts: dict[str, int] = {}  # group -> its rollouts
+    done: set[str] = set()  # the complete groups
+    stalled_cut = None
+    for i, sample in enumerate(samples):
+        if sample is not None:
+            gid, rid, n_calls, n_rollouts = _group_key(sample)
+            calls = seen.setdefault(gid, {})
+            calls[rid] = calls.get(rid, 0) + 1
+            wanted.setdefault(gid, {})[rid] = n_calls
+            rollouts[gid] = max(rollouts.get(gid, 0), n_rollouts)
+            if len(calls) >= rollouts[gid] and calls == wanted[gid]:
+                done.add(gid)
+            else:
+                done.discard(gid)
+        if len(done) >= groups:
+            if len(done) == len(seen):
+                return i + 1
+            stalled_cut = stalled_cut or i + 1
+        if len(done) >= stalled_after and stalled_cut is not None:
+            return stalled_cut
+    return None

@@ -14,7 +14,8 @@ The plumbing is in ``trainer/reloader.py`` (``SPANRL_RELOADER_GATE*`` settings).
 the held-out episodes is a :data:`GateEvaluation` the reloader is given or resolves from
 ``SPANRL_RELOADER_GATE_EVALUATION`` (by default the control plane's evaluator,
 ``spanrl.infra.evaluation.gate_rewards``, which loads the agent and the task set through
-the examples' registry, examples/agents.py): the trainer imports neither.
+the agent spec loader, spanrl/infra/agents.py: a math task set or ``REF:SPLIT`` of any
+AgentSpec, the agent a runner or a spec by ``module:attribute``): the trainer imports neither.
 """
 from __future__ import annotations
 

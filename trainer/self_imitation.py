@@ -11,7 +11,7 @@ same PPO-clipped loss. Their behaviour log-probs stay those of the policy that s
 the clip stops the push once a token is ``1 + clip_eps`` times as likely as when it was sampled:
 what the policy drifted away from is pulled back, what it already gained is left alone.
 
-Why (LEARNING.md, issue 18): rewarded completions of an early iteration lose likelihood as
+Why (docs/measured/learning-archive.md): rewarded completions of an early iteration lose likelihood as
 later updates move the policy (for samples of ``pi_0`` the mean log-likelihood change under any
 ``pi_T`` is ``-KL(pi_0 || pi_T) <= 0``); a sample trained once is pushed up by one update only.
 

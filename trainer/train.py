@@ -797,8 +797,9 @@ def fetch_limit(batching: str, good: int, min_batch: int, max_batch: int, fetch_
     slower than the samples' rate holds at most an update's worth in memory and leaves the rest
     in Kafka (before issue 21 it read ``fetch_max`` per fetch and trained ``max_batch`` of them:
     the buffer, and the process, grew for as long as it was behind); in ``barrier`` batching
-    ``fetch_max`` (the buffer must reach the requested offsets). At most ``fetch_max``."""
-    if batching == "barrier":
+    ``fetch_max`` (the buffer must reach the requested offsets), and in ``groups`` batching (it
+    must reach the end of the groups an update takes). At most ``fetch_max``."""
+    if batching in ("barrier", "groups"):
         return fetch_max
     return max(0, min(fetch_max, max(min_batch, max_batch) - good))
 
@@ -897,7 +898,7 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
     return out
 
 
-BATCHING_MODES = ("stream", "barrier")
+BATCHING_MODES = ("stream", "barrier", "groups")
 
 
 class Trainer:
@@ -925,6 +926,8 @@ class Trainer:
             raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; known: {', '.join(losses.LOSS_AGGREGATIONS)}")
         if cfg.mini_batches < 1:
             raise ValueError(f"mini_batches must be >= 1, got {cfg.mini_batches}")
+        if cfg.update_groups < 1:
+            raise ValueError(f"update_groups must be >= 1, got {cfg.update_groups}")
         if cfg.prefix_tree_advantage and cfg.algorithm != "grpo":
             raise ValueError(f"prefix_tree_advantage needs algorithm 'grpo', got {cfg.algorithm!r}")
         losses.negative_weighted_advantages([], cfg.negative_advantage_weight)  # ValueError outside [0, 1]
@@ -1304,6 +1307,13 @@ class Trainer:
                     if head:
                         await self._train(head, pad_id, publish_empty=True)
                     self._barrier_done(asked)
+                elif self.cfg.batching == "groups":  # update_groups complete groups, each whole
+                    cut = batching.group_cut([s for _, _, s in buffer], self.cfg.update_groups)
+                    if cut is None:
+                        continue
+                    head, buffer = buffer[:cut], buffer[cut:]
+                    good = sum(1 for _, _, s in buffer if s is not None)
+                    await self._train(head, pad_id)
                 else:
                     idle = time.monotonic() - last_arrival >= self.cfg.idle_flush_s
                     if not (good >= self.cfg.min_batch or (good > 0 and idle)):

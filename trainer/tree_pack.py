@@ -13,7 +13,7 @@ micro-batch (lexicographic order) under a budget of packed tokens.
 
 Why: the rows of one update share long prefixes — the system prompt and tool definitions of
 every call of an agent role, and the whole question within a GRPO group. Measured on the RAG
-agent's 0.5B samples (session 40, iteration 0 of the 8-question setting): the `answerer`'s
+agent's 0.5B samples (2026-12-07, iteration 0 of the 8-question setting): the `answerer`'s
 467-token prompts share 253 tokens across all rows and 346 within a group; the `query_writer`'s
 merged rows share 228 across all rows and their whole first prompt (248) within a group.
 

@@ -36,7 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.core.settings import Settings, TrainerConfig, env_value, env_with_prefix, get_settings
+from spanrl.core.recipes import recipe_env
+from spanrl.core.settings import Settings, env_value, env_with_prefix, get_settings
 from spanrl.infra.admin import request_training
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
@@ -44,34 +45,20 @@ from spanrl.trainer import tracking
 
 
 #: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
-#: at start-up, so they apply when the demo starts the stack; an environment value wins).
-#: Chosen in LEARNING.md (study 11, three seeds): small steps (lr 1e-5, 8 optimizer steps per
-#: update) with self-imitation of the last 3 updates' rewarded samples at weight 4, anchored by a
-#: k3 KL to the base weights at 0.2 — the one setting tried whose first iteration's rewarded
-#: completions end more likely under the final policy in every seed while greedy and sampled
-#: held-out correctness rise. lr 5e-5 x 2 steps (the default before, study 3) learned as much but
-#: made those completions less likely; it takes ~34 min where this takes ~57 min on 2 cores.
-#: Updates are cut per iteration (barrier), not by idle time, so a run seed repeats the run.
-DEMO_TRAINER_ENV = TrainerConfig.env(
-    lr="1e-5",
-    loss_agg="token_mean",
-    # one update per iteration on exactly that iteration's samples (POST /admin/train), so a
-    # run's batches do not depend on timing and every call of an iteration is served by one
-    # version; eight optimizer steps per update (mini-batches in content order)
-    batching="barrier",
-    mini_batches="8",
-    # Self-Imitation Learning: the positive-advantage samples of the last 3 updates trained
-    # again, their advantage x 4 (trainer/self_imitation.py)
-    self_imitation_updates="3",
-    self_imitation_weight="4",
-    # k3 KL to the reference policy (the base weights), DeepSeekMath's GRPO estimator
-    kl_coef="0.2",
-    # Dr. GRPO: R - group mean, no division by the group's std, so a format-only group
-    # ([0.1 x5, 0]) no longer pushes as hard as a group with a correct answer (LEARNING.md)
-    advantage_std_scale="false",
-    # zero-variance groups give no gradient: left out before the update (counted per update)
-    drop_zero_variance="true",
-)
+#: at start-up, so they apply when the demo starts the stack; an environment value wins): the
+#: ``default`` recipe, spanrl/core/recipes.py (each value with the study that chose it: study 11,
+#: docs/measured/learning.md). Updates are cut per iteration (barrier), not by idle time, so a run seed repeats
+#: the run.
+DEMO_TRAINER_ENV = recipe_env("default")
+
+
+def demo_trainer_env(model_env: dict[str, str], recipe: str | None = None) -> dict[str, str]:
+    """The trainer settings a demo or study applies (each unless the environment sets it): the
+    recipe ``recipe`` whole when one is chosen (``SPANRL_RECIPE``, ``--recipe``), else
+    :data:`DEMO_TRAINER_ENV` with the agent's per-model settings ``model_env`` over it
+    (``AgentSpec.demo_plan``'s ``trainer_env``). Example: ``demo_trainer_env({}, "qwen05b-lora")``
+    is ``recipe_env("qwen05b-lora")``: the default recipe's nine values with lr 5e-5 and LoRA r16."""
+    return recipe_env(recipe) if recipe else {**DEMO_TRAINER_ENV, **model_env}
 
 
 @dataclass
@@ -87,12 +74,12 @@ class MainJobConfig:
     iterations: int = 4
     tasks_per_iteration: int = 6
     group_size: int = 6
-    #: the example agent (examples/agents.py): math | sql | rag
+    #: the agent spec (spanrl/infra/agents.py): module:attribute of an AgentSpec, or math | sql | rag
     agent: str = "math"
     task_set: str = "arith_word"  # the math agent's task set (other agents: their train/heldout splits)
     #: the math agent's training task set (None: ``task_set``); held-out tasks stay ``task_set``.
     #: Default: mul, add, sub in turn (examples/math_agent/tasks.py): chosen by study 3
-    #: (LEARNING.md), the only setting whose greedy held-out rate rose in each of 3 seeds
+    #: (docs/measured/learning.md), the only setting whose greedy held-out rate rose in each of 3 seeds
     train_task_set: str | None = "arith_word_mul_add_sub"
     seed: int = TRAIN_SEED
     heldout_seed: int = HELDOUT_SEED
@@ -215,7 +202,7 @@ def _served_version(s: Settings) -> int:
 
 
 async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[dict], progress, bar) -> IterationResult:
-    from examples.agents import agent_spec
+    from spanrl.infra.agents import load_agent_spec
     from spanrl.infra.evaluation import load_agent
     from spanrl.infra.replay import agent_counts
     from spanrl.producers.runner import Runner, publish_tasks
@@ -235,7 +222,7 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     n_rollouts = cfg.tasks_per_iteration * cfg.group_size
     progress.update(bar, description=f"iter {it}: rollouts", total=n_rollouts, completed=0)
 
-    runner = Runner(load_agent(agent_spec(cfg.agent).RUNNER), settings=s, concurrency=cfg.concurrency,
+    runner = Runner(load_agent(load_agent_spec(cfg.agent).runner_ref), settings=s, concurrency=cfg.concurrency,
                     timeout_s=cfg.rollout_timeout_s,
                     group_id="spanrl-main-job")
     ended: dict[str, str] = {}
@@ -443,10 +430,18 @@ def _shift_text(shift: dict) -> str:
 HELDOUT_MODES = {"sampled": None, "greedy": 0.0}
 
 
+def _is_math(cfg: MainJobConfig) -> bool:
+    """Whether the job's agent is the math agent (by short name or by reference): it alone has
+    named task sets (``task_set``, ``train_task_set``) and the out-of-distribution set."""
+    from spanrl.infra.agents import load_agent_spec
+
+    return load_agent_spec(cfg.agent) is load_agent_spec("math")
+
+
 def _task_set(cfg: MainJobConfig, split: str) -> str:
-    """The task set name of ``split`` (examples/agents.load_split): the math agent's named
-    set (its seeds separate train and held out), else ``AGENT:SPLIT``."""
-    if cfg.agent != "math":
+    """The task set name of ``split`` (spanrl/infra/agents.py ``load_split``): the math agent's
+    named set (its seeds separate train and held out), else ``AGENT:SPLIT``."""
+    if not _is_math(cfg):
         return f"{cfg.agent}:{split}"
     return cfg.train_task_set or cfg.task_set if split == "train" else cfg.task_set
 
@@ -458,9 +453,9 @@ def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console
 
     if mode not in HELDOUT_MODES:
         raise ValueError(f"unknown held-out mode {mode!r}; known: {', '.join(HELDOUT_MODES)}")
-    from examples.agents import agent_spec
+    from spanrl.infra.agents import load_agent_spec
 
-    ecfg = EvalConfig(policies=[spec], agent=agent_spec(cfg.agent).RUNNER,
+    ecfg = EvalConfig(policies=[spec], agent=load_agent_spec(cfg.agent).runner_ref,
                       task_set=cfg.ood_task_set if ood else _task_set(cfg, "heldout"),
                       seed=cfg.heldout_seed, tasks=cfg.ood_tasks if ood else cfg.heldout_tasks,
                       samples=1, temperature=HELDOUT_MODES[mode], concurrency=cfg.concurrency,
@@ -471,7 +466,7 @@ def _heldout_eval(cfg: MainJobConfig, s: Settings, spec: str, mode: str, console
 def per_kind(report: dict, kinds: dict[str, str]) -> dict[str, dict]:
     """Correct rate and mean reward per task kind and policy of an evaluation report: ``{kind:
     {policy: {"episodes", "correct", "reward"}}}``, ``kinds`` mapping task id -> kind
-    (:func:`examples.agents.task_kind`; tasks not in it count as ``"all"``). Example: two
+    (``AgentSpec.kind_of``; tasks not in it count as ``"all"``). Example: two
     ``add`` episodes of base, one correct with reward 1, one wrong with reward 0: ``{"add":
     {"base": {"episodes": 2, "correct": 0.5, "reward": 0.5}}}``."""
     out: dict[str, dict] = {}
@@ -513,7 +508,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     """Evaluate the base policy on the held-out tasks, run ``cfg.iterations`` iterations,
     evaluate the final policy on the same held-out tasks; write summary.json,
     reward_curve.png and heldout-<mode>.json/.png; return the summary."""
-    from examples.agents import agent_spec, disjoint, load_split, task_kind
+    from spanrl.infra.agents import disjoint, load_agent_spec, load_split
     from spanrl.infra.evaluation import merge_reports, write_report
 
     s = settings or get_settings()
@@ -531,7 +526,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
     if modes and _served_version(s) != 0:
         console.print("[yellow]the stack serves a trained version: the base evaluation pins the base "
                       "model (version 0) for its duration[/yellow]")
-    ood = cfg.agent == "math" and cfg.ood_tasks > 0 and bool(modes)
+    ood = _is_math(cfg) and cfg.ood_tasks > 0 and bool(modes)
     base_ood = {}
     for mode in modes:
         base_reports[mode] = _heldout_eval(cfg, s, "base", mode, console)
@@ -599,8 +594,8 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
             ood_reports[mode] = base_ood[mode] if final_spec == "base" else \
                 merge_reports(base_ood[mode], _heldout_eval(cfg, s, final_spec, mode, console, ood=True))
             write_report(ood_reports[mode], out, f"ood-{mode}", s)
-    spec = agent_spec(cfg.agent)
-    kinds = {t["task_id"]: task_kind(spec, t) for t in heldout_set} if modes else {}
+    spec = load_agent_spec(cfg.agent)
+    kinds = {t["task_id"]: spec.kind_of(t) for t in heldout_set} if modes else {}
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
         for name, c in r.agents.items():
@@ -616,6 +611,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "seed": s.seed,
         "rollout_temperature": s.rollout_temperature,  # SPANRL_ROLLOUT_TEMPERATURE (None: the agent's own)
         "trainer_env": {k: env_value(k, v) for k, v in DEMO_TRAINER_ENV.items()},
+        "recipe": s.recipe or None,  # SPANRL_RECIPE (spanrl/core/recipes.py): None, DEMO_TRAINER_ENV's
         "trainer_settings": env_with_prefix("SPANRL_TRAINER_"),
         "trainer_updates": _trainer_updates(s),
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],

@@ -141,7 +141,7 @@ def load_arith_tasks(seed: int = TRAIN_SEED, size: int = 100) -> list[dict[str, 
 
 ARITH_BALANCED = "arith_word_balanced"
 #: balanced over the one-step kinds the base policy ever solves when sampling (``mul``, ``add``,
-#: ``sub``: LEARNING.md, run A's per-kind table); ``div`` and the two-step kinds are never
+#: ``sub``: docs/measured/learning-archive.md, run A's per-kind table); ``div`` and the two-step kinds are never
 #: solved in training rollouts, so their groups carry no correctness signal
 ARITH_ONE_STEP = "arith_word_mul_add_sub"
 #: each balanced set: (the prefix of its per-item generator seeds, the kinds it cycles through in order)

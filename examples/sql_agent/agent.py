@@ -58,7 +58,7 @@ NODES = ("write_query", "execute", "check_query", "rewrite_query")
 # ---- prompts: two worked examples per role, on a pets database no task uses ----------------
 # (measured on the base model at temperature 1.0: a second writer example, a single-table one,
 # raised replies with a parseable query 0.42 -> 0.58 over 24 episodes; asking the checker for
-# the verdict line raised replies with one 0.25 -> 0.67; see README.md)
+# the verdict line raised replies with one 0.25 -> 0.67; see examples/sql_agent/README.md)
 
 EXAMPLE_SCHEMA = "Owner(OwnerId, Name)\nPet(PetId, Name, Species, OwnerId -> Owner.OwnerId)"
 EXAMPLE_QUESTION = "How many pets does the owner 'Ann' have?"

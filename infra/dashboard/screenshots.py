@@ -2,11 +2,11 @@
 ``chromium-driver`` packages, driven by Selenium; never a driver Selenium Manager would
 download): the rollouts page, the rollout with the most LLM calls, training, pipeline.
 
-    python -m spanrl.infra.dashboard.screenshots --out docs/dashboard [--url http://127.0.0.1:18092]
+    python -m spanrl.infra.dashboard.screenshots --out docs/data/dashboard [--url http://127.0.0.1:18092]
 
 With ``SPANRL_AUTH_TOKEN`` set the first page is opened with ``?token=`` (the dashboard then
 sets its cookie, infra/dashboard/auth.py). Used by tests/integration/test_dashboard.py
-(:func:`headless_chromium`) and for the README's pictures.
+(:func:`headless_chromium`) and for the Operations page's pictures (docs/operations.md).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     s = get_settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=s.dashboard_url)
-    p.add_argument("--out", type=Path, default=Path("docs/dashboard"))
+    p.add_argument("--out", type=Path, default=Path("docs/data/dashboard"))
     a = p.parse_args(argv)
     for path in capture(a.url, a.out, token_value(s.auth_token)):
         print(path)

@@ -15,8 +15,12 @@
   remove what killed processes leave in RAM).
 - ``plugins``: ``module:attribute`` references resolved at run time (an agent, the release
   gate's evaluation), so a service names a higher layer's code without importing it.
+- ``recipes``: named trainer recipes as data, each value with its source (``default``: the
+  measured one); ``SPANRL_RECIPE`` selects one below the environment.
+- ``agent_spec``: :class:`AgentSpec`, an agent as every command that takes one sees it (its
+  runner, tasks, reward components, demo); loaded by reference in ``spanrl.infra.agents``.
 
 It imports only ``spanrl.schemas`` (and the topic table reads ``settings``: the one edge
 upward from schemas, named in pyproject.toml's import contract). The layers and the tool
-that checks them: README.md, "Layout".
+that checks them: DEVELOPERS.md, "Where things are".
 """

@@ -20,8 +20,9 @@ readers (:func:`setting`). The sections:
 variable no section declares, naming the closest declared one. The process-environment
 helpers (:func:`env_value`, :func:`set_env`, :func:`setdefault_env`, :func:`update_env`,
 :func:`child_env`, :func:`env_with_prefix`) are the way other modules touch ``os.environ``.
-README.md's settings table is :func:`markdown_table` (``python -m spanrl.core.settings
---markdown``; tests/unit/test_settings_system.py fails when README is stale).
+The documentation's settings reference (docs/reference/settings.md) is :func:`markdown_table`
+(``python -m spanrl.core.settings --write docs/reference/settings.md``;
+tests/unit/test_settings_system.py fails when the page is stale).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def setting(default: Any = ..., doc: str = "", *, unit: str = "", readers: str, 
             default_factory=None) -> Any:
     """One declared setting: its default (or ``default_factory``), what it means (``doc``),
     its unit (``s``, ``bytes``, ...; "" for none) and the components that read it
-    (``readers``); ``shown``: the default as README's table writes it when the value itself
+    (``readers``); ``shown``: the default as the settings reference writes it when the value itself
     depends on the machine or on another setting."""
     extra = {"unit": unit, "readers": readers, "shown": shown}
     if default_factory is not None:
@@ -120,11 +121,25 @@ class _MappingSource(PydanticBaseSettingsSource):
         return out
 
 
+class _RecipeSource(PydanticBaseSettingsSource):
+    """TrainerConfig's values from the recipe ``SPANRL_RECIPE`` names (spanrl/core/recipes.py):
+    below the environment's ``SPANRL_TRAINER_*``, above the declared defaults."""
+
+    def get_field_value(self, field, field_name: str):
+        return None, field_name, False  # the recipe is read whole in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        from spanrl.core.recipes import recipe_values
+
+        name = Settings.from_environ(_ENVIRON.get()).recipe
+        return recipe_values(name) if name else {}
+
+
 class Section(BaseSettings):
     """A component's settings: ``env_prefix`` + field name is each variable's name."""
 
     model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore")
-    #: the section's heading in README's table
+    #: the section's heading in the settings reference's table
     TITLE: ClassVar[str] = ""
 
     @classmethod
@@ -250,6 +265,10 @@ class Settings(Section):
                                "rollout's index in its group, the attempt and the call (producers/seeding.py); "
                                "the trainer's torch seed defaults to it. `none` (or empty): unseeded sampling",
                                readers="runner, trainer, main job")
+    recipe: str = setting("", "a named trainer recipe (spanrl/core/recipes.py: `default` is the measured one, "
+                          "`qwen05b-lora`, `qwen05b-lora-tree`): its values are the trainer's defaults, a "
+                          "`SPANRL_TRAINER_*` variable still wins field by field; empty: `TrainerConfig`'s own",
+                          readers="trainer, demo, study")
     vllm_tool_call_parser: str | None = setting(None, "vLLM's `--tool-call-parser` (with "
                                                 "`--enable-auto-tool-choice`); empty: no parser (`tools` get 400)",
                                                 readers="stack", shown="the model's (spanrl/core/model.py)")
@@ -283,6 +302,16 @@ class Settings(Section):
                            readers="trainer, main job, eval")
     tracker_dir: Path | None = setting(None, "where tracking logs go (`RUN/trainer`, `RUN/main_job`, `eval/NAME` "
                                        "below it)", readers="trainer, main job, eval", shown="`state_dir/tensorboard`")
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, value: str) -> str:
+        from spanrl.core.recipes import get_recipe
+
+        value = value.strip()
+        if value:
+            get_recipe(value)  # ValueError naming the known recipes
+        return value
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -576,6 +605,13 @@ class TrainerConfig(Section):
     model_config = SettingsConfigDict(env_prefix="SPANRL_TRAINER_", extra="ignore")
     TITLE: ClassVar[str] = "Trainer (`TrainerConfig`, trainer/train.py)"
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        """The sections' sources, then the recipe ``SPANRL_RECIPE`` names (the lowest of them)."""
+        return (*super().settings_customise_sources(settings_cls, init_settings, env_settings, dotenv_settings,
+                                                    file_secret_settings), _RecipeSource(settings_cls))
+
     run: str | None = setting(None, "run name", readers="trainer", shown="`SPANRL_RUN`")
     base_dir: Path | None = setting(None, "the base model's directory", readers="trainer",
                                     shown="the stack's model directory")
@@ -627,8 +663,11 @@ class TrainerConfig(Section):
     mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "
                                 "many mini-batches, one step each, every PPO epoch", readers="trainer")
     batching: str = setting("stream", "when an update happens: `stream` (min_batch samples buffered, or idle_flush_s "
-                            "without new ones; max_batch at most) or `barrier` (only on `POST /admin/train`)",
-                            readers="trainer")
+                            "without new ones; max_batch at most), `barrier` (only on `POST /admin/train`) or "
+                            "`groups` (update_groups complete groups buffered, each group's samples in one update: "
+                            "no driver, no clock; trainer/batching.py `group_cut`)", readers="trainer")
+    update_groups: int = setting(6, "`groups` batching: complete GRPO groups per update (6: the math demo's tasks "
+                                 "an iteration)", unit="groups", readers="trainer")
     grad_clip: float = setting(1.0, "gradient clipping norm", readers="trainer")
     ppo_epochs: int = setting(1, "passes over an update's samples", readers="trainer")
     min_batch: int = setting(16, "samples that start a `stream` update", unit="samples", readers="trainer")
@@ -720,13 +759,14 @@ class ReloaderConfig(Section):
                               readers="reloader")
     gate: bool = setting(False, "release gate (trainer/gate.py): evaluate each new checkpoint on held-out tasks "
                          "before it becomes the served policy", readers="reloader")
-    gate_agent: str = setting("examples.math_agent.agent:math_agent", "the gate's agent (`module:attribute`)",
-                              readers="reloader")
+    gate_agent: str = setting("examples.math_agent.agent:math_agent", "the gate's agent: a runner callable or an "
+                              "AgentSpec (`module:attribute`)", readers="reloader")
     gate_evaluation: str = setting("spanrl.infra.evaluation:gate_rewards",
                                    "what runs the gate's held-out episodes (`module:attribute`, "
                                    "trainer/gate.py `GateEvaluation`): the control plane's evaluator",
                                    readers="reloader")
-    gate_task_set: str = setting("arith_word", "the gate's task set", readers="reloader")
+    gate_task_set: str = setting("arith_word", "the gate's task set: a math task set or `AGENT:SPLIT` (AGENT an "
+                                 "AgentSpec's `module:attribute` or math, sql, rag)", readers="reloader")
     gate_seed: int = setting(1000, "the held-out seed; items [gate_offset, gate_offset + gate_tasks)",
                              readers="reloader")
     gate_offset: int = setting(200, "past the 200 the main job reports, so serving decisions never saw those",
@@ -737,7 +777,7 @@ class ReloaderConfig(Section):
     gate_concurrency: int = setting(8, "rollouts of the gate's evaluation at once", readers="reloader")
 
 
-#: every section, in README's order
+#: every section, in the settings reference's order
 SECTIONS: tuple[type[Section], ...] = (Settings, TopicSettings, ProducerSettings, StreamSettings, TrainerConfig,
                                        ReloaderConfig, DashboardSettings, StackSettings, DeploymentSettings)
 
@@ -837,7 +877,7 @@ def get_settings() -> Settings:
     return Settings()
 
 
-# ---- README's table -------------------------------------------------------------------
+# ---- the settings reference (docs/reference/settings.md) -----------------------------
 
 def _shown_default(section: type[Section], field: str) -> str:
     info = section.model_fields[field]
@@ -865,7 +905,7 @@ def _cell(text: str) -> str:
 
 
 def markdown_table() -> str:
-    """README's settings table: one table per section, generated from the declarations."""
+    """The settings reference's table: one table per section, generated from the declarations."""
     lines = []
     for section in SECTIONS:
         lines += [f"**{section.TITLE}**", "", "| variable | type | default | unit | read by | meaning |",
@@ -879,21 +919,25 @@ def markdown_table() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-README_BEGIN = "<!-- settings table: generated by `python -m spanrl.core.settings --markdown`; do not edit -->"
-README_END = "<!-- end of settings table -->"
+TABLE_BEGIN = "<!-- settings table: generated by `python -m spanrl.core.settings --markdown`; do not edit -->"
+TABLE_END = "<!-- end of settings table -->"
 
 
-def readme_table(readme_text: str) -> str:
-    """The part of README between :data:`README_BEGIN` and :data:`README_END`."""
-    start = readme_text.index(README_BEGIN) + len(README_BEGIN)
-    return readme_text[start:readme_text.index(README_END)].strip("\n") + "\n"
+#: the page that holds the table between :data:`TABLE_BEGIN` and :data:`TABLE_END`
+SETTINGS_PAGE = "docs/reference/settings.md"
 
 
-def write_readme(path: Path) -> bool:
-    """Put :func:`markdown_table` into README ``path`` between the markers; True if it changed."""
+def page_table(page_text: str) -> str:
+    """The part of a page between :data:`TABLE_BEGIN` and :data:`TABLE_END`."""
+    start = page_text.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    return page_text[start:page_text.index(TABLE_END)].strip("\n") + "\n"
+
+
+def write_page(path: Path) -> bool:
+    """Put :func:`markdown_table` into the page ``path`` between the markers; True if it changed."""
     text = path.read_text()
-    start = text.index(README_BEGIN) + len(README_BEGIN)
-    new = text[:start] + "\n" + markdown_table() + text[text.index(README_END):]
+    start = text.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    new = text[:start] + "\n" + markdown_table() + text[text.index(TABLE_END):]
     if new != text:
         path.write_text(new)
     return new != text
@@ -901,16 +945,16 @@ def write_readme(path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="spanrl's declared settings (every SPANRL_* variable).")
-    p.add_argument("--markdown", action="store_true", help="print README's settings table")
-    p.add_argument("--write-readme", type=Path, metavar="README",
-                   help="write the table into README between its markers")
+    p.add_argument("--markdown", action="store_true", help="print the settings reference's table")
+    p.add_argument("--write", type=Path, metavar="PAGE",
+                   help=f"write the table into PAGE between its markers ({SETTINGS_PAGE})")
     p.add_argument("--check", action="store_true", help="fail on an undeclared SPANRL_* variable in the environment")
     a = p.parse_args(argv)
-    if a.write_readme:
-        print("updated" if write_readme(a.write_readme) else "up to date", a.write_readme)
+    if a.write:
+        print("updated" if write_page(a.write) else "up to date", a.write)
     if a.check:
         check_environment()
-    if a.markdown or not (a.write_readme or a.check):
+    if a.markdown or not (a.write or a.check):
         print(markdown_table(), end="")
 
 

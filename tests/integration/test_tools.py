@@ -137,7 +137,7 @@ def test_rag_agent_tool_path_against_the_stack(settings, spans_of):
     # and vLLM's JSON grammar allows any whitespace: a sampled (T = 1) forced call of the 135M model
     # can run past MAX_TOKENS before the call closes (whitespace, or 40 characters of a script that
     # takes several tokens each), and then no call is parsed and nothing is searched (1 of 30
-    # episodes, session 41). Such an episode says nothing about the tool path; up to three are run
+    # episodes, 2026-12-07). Such an episode says nothing about the tool path; up to three are run
     # for one whose forced call closed (all three truncated: ~4e-5).
     for _ in range(3):
         rid = uuid.uuid4().hex

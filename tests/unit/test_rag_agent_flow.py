@@ -195,11 +195,11 @@ def test_runner_callable_emits_reward_once(monkeypatch):
 
 
 def test_spec_names():
-    assert spec.NAME == "rag" and spec.RUNNER == "examples.rag_agent.agent:rag_agent"
-    assert spec.TRAIN_AGENTS == "query_writer,answerer" and spec.AGENT_NAMES == ("query_writer", "answerer")
-    assert (spec.TRAIN_SEED, spec.HELDOUT_SEED) == (0, 1000)
-    assert spec.SUCCESS_COMPONENT == "correct" and spec.FORMAT_COMPONENT == "format"
-    module, name = spec.RUNNER.split(":")
-    assert getattr(__import__(module, fromlist=[name]), name) is ra.rag_agent
-    assert tuple(spec.TRAIN_AGENTS.split(",")) == spec.AGENT_NAMES == (ra.QUERY_WRITER, ra.ANSWERER)
-    assert len(spec.load_tasks("heldout", spec.HELDOUT_SEED, 3)) == 3
+    s = spec.SPEC
+    assert s.name == "rag" and s.runner == spec.RUNNER == "examples.rag_agent.agent:rag_agent"
+    assert s.train_agents == "query_writer,answerer" and s.agent_names == ("query_writer", "answerer")
+    assert (s.train_seed, s.heldout_seed) == (0, 1000)
+    assert s.success_component == "correct" and s.format_component == "format"
+    assert s.load_runner() is ra.rag_agent
+    assert tuple(s.train_agents.split(",")) == s.agent_names == (ra.QUERY_WRITER, ra.ANSWERER)
+    assert len(s.tasks("heldout", 3)) == 3

@@ -229,7 +229,10 @@ def test_demo_heldout_modes_option():
 
 
 def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
-    from examples.agents import agent_spec, demo_plan
+    from spanrl.infra.agents import load_agent_spec as agent_spec
+
+    def demo_plan(spec, model):
+        return spec.demo_plan(model)
 
     sql = agent_spec("sql")
     assert demo_plan(sql, "smollm2-135m") == {
@@ -257,18 +260,19 @@ def test_demo_plan_is_the_agents_demo_with_its_models_entry_over_it():
 def test_every_demo_by_model_entry_names_known_models_options_and_settings():
     from dataclasses import fields
 
-    from examples.agents import AGENTS, agent_spec
     from examples.math_agent.main_job import MainJobConfig
     from spanrl.core.model import MODELS
     from spanrl.core.settings import TrainerConfig
+    from spanrl.infra.agents import EXAMPLE_AGENTS as AGENTS
+    from spanrl.infra.agents import load_agent_spec as agent_spec
 
     options = {f.name for f in fields(MainJobConfig)} - {"iterations", "tasks_per_iteration", "group_size",
                                                            "heldout_tasks", "agent", "out_dir"}
-    entries = [(name, model, e) for name in AGENTS for model, e in getattr(agent_spec(name), "DEMO_BY_MODEL", {}).items()]
+    entries = [(name, model, e) for name in AGENTS for model, e in agent_spec(name).demo_by_model.items()]
     assert entries  # the SQL agent's 0.5B demo at least
     for name, model, e in entries:
         assert model in MODELS and set(e) <= {"size", "options", "trainer_env"}, (name, model)
-        assert set(e.get("size", {})) <= set(agent_spec(name).DEMO) and set(e.get("options", {})) <= options
+        assert set(e.get("size", {})) <= set(agent_spec(name).demo) and set(e.get("options", {})) <= options
         assert set(e.get("trainer_env", {})) <= set(TrainerConfig.env_names())
 
 
@@ -280,31 +284,11 @@ def test_demo_runs_the_plan_under_the_command_lines_options(monkeypatch):
     import examples.math_agent.main_job as main_job
     from spanrl.core.settings import get_settings
     from spanrl.infra import cli
+    from stackless_demo import stackless_demo
 
     seen: dict = {}
-
-    class NoStack:
-        def running(self, name):
-            return False
-
-        def down(self):
-            seen["down"] = True
-
-    def fake_main_job(cfg, console=None):
-        import os
-
-        seen["cfg"], seen["env"] = cfg, {k: os.environ.get(k) for k in ("SPANRL_TRAINER_LORA_RANK",
-                                                                         "SPANRL_TRAINER_LR", "SPANRL_TRAINER_KL_COEF")}
-        return {"paths": {}}
-
-    monkeypatch.setattr(cli, "Stack", NoStack)
-    monkeypatch.setattr(cli, "_check_free_space", lambda command: None)
-    monkeypatch.setattr(cli, "_fresh_run", lambda prefix: NoStack())
-    monkeypatch.setattr(cli, "_up_or_exit", lambda stack: None)
-    monkeypatch.setattr(main_job, "run_main_job", fake_main_job)
-    for k in {*main_job.DEMO_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS"}:
-        monkeypatch.setenv(k, "")  # recorded, so that what the demo sets is undone after the test
-        monkeypatch.delenv(k)
+    stackless_demo(monkeypatch, seen, ("SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAINER_LR", "SPANRL_TRAINER_KL_COEF"),
+                   forget={*main_job.DEMO_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS"})
     monkeypatch.setenv("SPANRL_MODEL", "qwen2.5-coder-0.5b")
     monkeypatch.setenv("SPANRL_TRAINER_LR", "2e-5")  # the environment wins over the plan
     get_settings.cache_clear()

@@ -1,5 +1,5 @@
 """The one settings system (spanrl/core/settings.py, issue 22 item 2): every SPANRL_* name declared
-once, today's defaults, an undeclared name stops start-up, README's table is generated, no
+once, today's defaults, an undeclared name stops start-up, the settings reference's table is generated, no
 other module reads the environment, one DeepSpeed config."""
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 153
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 155
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -185,7 +185,7 @@ def test_stack_wide_defaults():
         'payload_bucket': 'spanrl-payloads', 'vllm_port': 18000, 'bridge_port': 14318, 'bridge_grpc_port': 14317,
         'proxy_port': 18080, 'faust_web_port': 16066, 'stream_workers': 1, 'bridge_replicas': 1, 'reloader_port': 18090, 'trainer_port': 18091,
         'kafka_bootstrap_servers': '', 'minio_address': '', 'dashboard_port': 18092, 'dashboard_max_rollouts': 5000,
-        'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0,
+        'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0, 'recipe': '',
         'vllm_tool_call_parser': 'hermes', 'vllm_chat_template': 'infra/chat_templates/smollm2_tools.jinja',
         'rollout_temperature': None,
         'auth_token': None, 'auth_token_file': None, 'bridge_max_inflight_bytes': 67108864,
@@ -202,7 +202,7 @@ def test_trainer_defaults():
         'algorithm': 'grpo', 'singleton_advantage': 'batch', 'lr': 1e-05, 'weight_decay': 0.0, 'clip_eps': 0.2,
         'loss_agg': 'token_mean', 'advantage_std_scale': True, 'drop_zero_variance': False,
         'negative_advantage_weight': 1.0, 'prefix_tree_advantage': False,
-        'self_imitation_updates': 0, 'self_imitation_weight': 1.0, 'self_imitation_loss': 'clipped', 'prefix_merge': True, 'tree_packing': False, 'kl_coef': 0.0, 'mini_batches': 1, 'batching': 'stream',
+        'self_imitation_updates': 0, 'self_imitation_weight': 1.0, 'self_imitation_loss': 'clipped', 'prefix_merge': True, 'tree_packing': False, 'kl_coef': 0.0, 'mini_batches': 1, 'batching': 'stream', 'update_groups': 6,
         'grad_clip': 1.0, 'ppo_epochs': 1, 'min_batch': 16, 'max_batch': 64, 'idle_flush_s': 10.0,
         'ranks': 1, 'zero_stage': 0, 'micro_batch': 8, 'micro_batch_tokens': 2048, 'activation_checkpointing': True, 'lora_rank': 0,
         'lora_alpha': 32.0, 'lora_dropout': 0.0,
@@ -298,13 +298,13 @@ def test_topic_prefix_from_the_settings(monkeypatch):
     assert Topics.from_env().spans.name == "spans"
 
 
-# ---- README's table --------------------------------------------------------------------
+# ---- the settings reference's table -----------------------------------------------------
 
-def test_readme_settings_table_is_generated_from_the_declarations():
-    readme = (ROOT / "README.md").read_text()
-    assert S.readme_table(readme) == S.markdown_table(), (
-        "README.md's settings table is stale: python -m spanrl.core.settings --write-readme README.md")
-    assert "| `SPANRL_REWARD_TIMEOUT_S` | float | `60.0` | s | stream | " in readme
+def test_settings_reference_table_is_generated_from_the_declarations():
+    page = (ROOT / S.SETTINGS_PAGE).read_text()
+    assert S.page_table(page) == S.markdown_table(), (
+        f"{S.SETTINGS_PAGE}'s settings table is stale: python -m spanrl.core.settings --write {S.SETTINGS_PAGE}")
+    assert "| `SPANRL_REWARD_TIMEOUT_S` | float | `60.0` | s | stream | " in page
 
 
 def test_markdown_table_lists_every_name_once():

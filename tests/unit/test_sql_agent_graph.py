@@ -164,15 +164,15 @@ def test_chat_openai_on_the_wire(monkeypatch):
 
 
 def test_spec_names_the_graph_nodes():
-    assert spec.NAME == "sql" and spec.RUNNER == "examples.sql_agent.agent:sql_agent"
-    module, _, attr = spec.RUNNER.partition(":")
-    assert getattr(__import__(module, fromlist=[attr]), attr) is A.sql_agent
-    assert spec.AGENT_NAMES == ("write_query", "check_query", "rewrite_query")
-    assert set(spec.AGENT_NAMES) <= set(A.NODES) and "execute" not in spec.AGENT_NAMES
-    assert spec.TRAIN_AGENTS.split(",") == ["write_query", "rewrite_query"]
-    assert (spec.SUCCESS_COMPONENT, spec.FORMAT_COMPONENT) == ("correct", "format")
-    assert (spec.TRAIN_SEED, spec.HELDOUT_SEED) == (0, 1000)
-    assert spec.load_tasks("train", spec.TRAIN_SEED, 2)[0]["db"] == "chinook"
+    s = spec.SPEC
+    assert s.name == "sql" and s.runner == spec.RUNNER == "examples.sql_agent.agent:sql_agent"
+    assert s.load_runner() is A.sql_agent
+    assert s.agent_names == ("write_query", "check_query", "rewrite_query")
+    assert set(s.agent_names) <= set(A.NODES) and "execute" not in s.agent_names
+    assert s.train_agents.split(",") == ["write_query", "rewrite_query"]
+    assert (s.success_component, s.format_component) == ("correct", "format")
+    assert (s.train_seed, s.heldout_seed) == (0, 1000)
+    assert s.tasks("train", 2)[0]["db"] == "chinook"
 
 
 def test_executions_are_tool_spans_failed_on_sql_errors(monkeypatch):
