@@ -238,8 +238,8 @@ def test(
             phases["stack stop"] = time.monotonic() - t
     phases["total"] = time.monotonic() - t0
     cases = [c for run in runs for c in testing.read_junit(run.junit, run.name)]
-    _print_test_report(phases, testing.slowest(cases), [f"{r.name}: {testing.counts(testing.read_junit(r.junit, r.name))}"
-                                                         for r in runs])
+    _print_test_report(phases, testing.slowest(cases),
+                       [f"{r.name}: {testing.counts([c for c in cases if c.run == r.name])}" for r in runs])
     console.print(testing.closing_line(cases, codes), markup=False, highlight=False)
     raise typer.Exit(0 if codes and not any(codes.values()) else 1)
 
