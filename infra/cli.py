@@ -570,6 +570,19 @@ def eval_cmd(
     console.print(f"{report['paths']}")
 
 
+def _utc_ms(text: str | None) -> int | None:
+    """Milliseconds since the epoch of an ISO 8601 time (UTC unless it says otherwise)."""
+    from datetime import datetime, timezone
+
+    if not text:
+        return None
+    try:
+        ts = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not an ISO 8601 time: {text!r}") from exc
+    return int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+
+
 @app.command()
 def replay(
     suffix: str = typer.Option(..., help="names the output topics (transitions.<suffix>, samples.<suffix>) and the new run"),
@@ -580,24 +593,40 @@ def replay(
     train_agents: str = typer.Option(None, help="whose calls train: comma-separated agent names or re:EXPR "
                                      "(default: every call; the live job's SPANRL_TRAIN_AGENTS is not used)"),
     since: str = typer.Option(None, help="replay from this time (ISO 8601, UTC) instead of the beginning"),
-    train_from: str = typer.Option(None, help="RUN:VERSION checkpoint to train run replay-<suffix> from"),
+    until: str = typer.Option(None, help="replay the records before this time (ISO 8601, UTC) only"),
+    reward: str = typer.Option(None, help="package.module:function giving each attempt a new final reward "
+                               "(docs/replay.md; default: the recorded rewards)"),
+    workers: int = typer.Option(1, min=1, help="Faust workers sharing the input partitions"),
+    timeout: float = typer.Option(None, help="give up if the workers have not caught up after this many seconds "
+                                  "(default: never)"),
+    train_from: str = typer.Option(None, help="RUN:VERSION checkpoint to train run replay-<suffix> from "
+                                   "(RUN:0 or base: the base model)"),
     train_updates: int = typer.Option(1, help="updates of that training"),
 ) -> None:
     """Rebuild transitions/samples from the stored spans/rewards/rollouts under a new credit
-    rule into new topics, then (optionally) train a new run from a chosen checkpoint."""
+    rule or a new reward into new topics, then (optionally) train a new run from a chosen
+    checkpoint."""
     import json
-    from datetime import datetime, timezone
 
-    from spanrl.infra.replay import ReplayConfig, replay as run_replay
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    since_ms = None
-    if since:
-        ts = datetime.fromisoformat(since)
-        since_ms = int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
-    with console.status(f"replaying into transitions.{suffix} …"):
-        result = run_replay(ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=since_ms,
-                                         train_agents=train_agents, air_rules=air_rules,
-                                         train_from=train_from, train_updates=train_updates), log=console.print)
+    from spanrl.infra.replay import ReplayConfig, ReplayError, replay as run_replay
+
+    cfg = ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=_utc_ms(since), until_ms=_utc_ms(until),
+                       train_agents=train_agents, air_rules=air_rules, reward=reward, workers=workers,
+                       timeout_s=timeout, train_from=train_from, train_updates=train_updates)
+    with Progress(TextColumn(f"replaying into transitions.{suffix}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("input records"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("replay", total=None)
+        try:
+            result = run_replay(cfg, log=console.print,
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except (ValueError, ReplayError) as exc:
+            console.print(f"[red]replay refused[/red]: {exc}")
+            raise typer.Exit(1)
+        except RuntimeError as exc:
+            console.print(f"[red]replay failed[/red]: {exc}")
+            raise typer.Exit(1)
     console.print_json(json.dumps(result))
 
 
