@@ -7,7 +7,8 @@
     spanrl demo [--agent REF] ...          the main job (examples/math_agent/main_job.py)
     spanrl study [--seeds 3] ...           the main job once per run seed, one report across seeds
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
-    spanrl replay ...                      rebuild transitions under a new credit rule
+    spanrl replay ...                      rebuild transitions under a new credit rule or reward
+    spanrl export --out DIR                episodes, transitions, samples as Parquet / JSONL
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
     spanrl test [--tier fast|slow|all]     start the stack, run a test tier, stop it (make test)
     spanrl calls [--rollout ID] [--last N] each LLM call's agent (resolved how), trained or excluded
@@ -628,6 +629,32 @@ def replay(
             console.print(f"[red]replay failed[/red]: {exc}")
             raise typer.Exit(1)
     console.print_json(json.dumps(result))
+
+
+@app.command()
+def export(
+    out: str = typer.Option(..., help="directory the files go to (created)"),
+    suffix: str = typer.Option(None, help="export a replay's transitions.<suffix> / samples.<suffix> instead"),
+    tables: str = typer.Option(",".join(("episodes", "transitions", "samples")),
+                               help="comma-separated: episodes, transitions, samples"),
+    formats: str = typer.Option("parquet,jsonl", help="comma-separated: parquet, jsonl"),
+) -> None:
+    """Write the log's episodes, transitions and samples as Parquet / JSON lines
+    (docs/export.md: the schema; `messages` is TRL's conversational format)."""
+    import asyncio
+    from pathlib import Path
+
+    from spanrl.core.settings import get_settings
+    from spanrl.infra.export import FORMATS, TABLES, read_export, write_tables
+
+    wanted, fmts = _names(tables) or list(TABLES), _names(formats) or list(FORMATS)
+    bad = [t for t in wanted if t not in TABLES] + [f for f in fmts if f not in FORMATS]
+    if bad:
+        raise typer.BadParameter(f"unknown {bad}; tables: {', '.join(TABLES)}; formats: {', '.join(FORMATS)}")
+    with console.status("reading the topics …"):
+        rows = asyncio.run(read_export(get_settings(), suffix))
+    for path, count in write_tables({t: rows[t] for t in wanted}, Path(out), fmts).items():
+        console.print(f"{path}: {count} rows")
 
 
 @app.command()

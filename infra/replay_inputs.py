@@ -249,22 +249,21 @@ async def window(bootstrap: str, topic: T.Topic, since_ms: int | None, until_ms:
         await consumer.stop()
 
 
-def _decode_all(topic: T.Topic, records: list[Stored]) -> list[Stored]:
+def _decoded(topic: T.Topic, records: list[Stored]) -> list[Stored]:
     from spanrl.schemas import decode
 
     return [Stored(r.partition, r.offset, r.timestamp_ms, r.key, r.value, decode(topic.record, r.value))
             for r in records]
 
 
-async def _full_spans(records: list[Stored], settings) -> list[dict]:
-    """The decoded spans, a claim-checked one (``payload_ref``) read back from MinIO."""
+async def full_spans(spans: list[dict], settings) -> list[dict]:
+    """Decoded ``spans``, a claim-checked one (``payload_ref``) read back from MinIO."""
     from spanrl.core import claims
     from spanrl.schemas import decode
 
     client = None
     out = []
-    for r in records:
-        span = r.record
+    for span in spans:
         if span.get("payload_ref"):
             client = client or claims.make_client(settings)
             span = claims.check_claimed(span, decode("span", await claims.resolve_claim(client, span["payload_ref"])))
@@ -288,16 +287,16 @@ async def copy_inputs(settings, suffix: str, since_ms: int | None, until_ms: int
            for t in INPUTS}
     result: dict[str, Any] = {"copied": {t.name: len(got[t.name]) for t in INPUTS}}
     if reward_fn is not None:
-        rollouts = _decode_all(T.ROLLOUTS, got[T.ROLLOUTS.name])
-        rewards = _decode_all(T.REWARDS, got[T.REWARDS.name])
+        rollouts = _decoded(T.ROLLOUTS, got[T.ROLLOUTS.name])
+        rewards = _decoded(T.REWARDS, got[T.REWARDS.name])
         attempts = attempts_to_score([r.record for r in rollouts], [r.record for r in rewards])
         wanted = {a["task_id"] for a in attempts.values()}
         tasks = {}
-        for r in _decode_all(T.TASKS, await read_window(bootstrap, T.TASKS.name,
+        for r in _decoded(T.TASKS, await read_window(bootstrap, T.TASKS.name,
                                                          await window(bootstrap, T.TASKS, None, None))):
             if r.record["task_id"] in wanted:
                 tasks[r.record["task_id"]] = r.record
-        spans = await _full_spans(_decode_all(T.SPANS, got[T.SPANS.name]), settings)
+        spans = await full_spans([r.record for r in _decoded(T.SPANS, got[T.SPANS.name])], settings)
         returns = new_returns(attempts, tasks, spans, reward_fn, reward_ref)
         log(f"re-scored {len(returns)} attempts with {reward_ref}")
         out_rewards = rewritten_rewards(rewards, rollouts, returns, reward_ref)
