@@ -639,8 +639,9 @@ def export(
                                help="comma-separated: episodes, transitions, samples"),
     formats: str = typer.Option("parquet,jsonl", help="comma-separated: parquet, jsonl"),
 ) -> None:
-    """Write the log's episodes, transitions and samples as Parquet / JSON lines
-    (docs/export.md: the schema; `messages` is TRL's conversational format)."""
+    """Write episodes, transitions and samples as Parquet and JSON lines.
+
+    docs/export.md gives the schema; ``messages`` is TRL's conversational format."""
     import asyncio
     from pathlib import Path
 

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_tokenizer(spans: Iterable[dict], model_dir: Path) -> str | None:
+    """The tokenizer hash of ``model_dir`` (spanrl.core.tokenizer_id), once the token ids of
+    ``spans``' calls were made by that tokenizer or by one not recorded (span v1); raises
+    ReplayError when a call's recorded tokenizer hash differs (its ids mean other text)."""
+    from spanrl.core.tokenizer_id import mismatch, tokenizer_sha256
+
+    target = tokenizer_sha256(model_dir)
+    problem = mismatch(((sp["llm"].get("tokenizer"), sp["llm"].get("tokenizer_sha256"))
+                        for sp in spans if sp.get("llm")), Path(model_dir).name, target)
+    if problem:
+        raise ReplayError(f"refusing to train token ids on {model_dir}: {problem}")
+    return target
+
+
+async def _window_spans(s: Settings, since_ms: int | None, until_ms: int | None) -> list[dict]:
+    from spanrl.infra.replay_inputs import read_window, window
+
+    raw = await read_window(s.kafka_bootstrap, T.SPANS.name, await window(s.kafka_bootstrap, T.SPANS, since_ms, until_ms))
+    return [decode(T.SPANS.record, r.value) for r in raw]
 
 
 async def topics_end_offsets(s: Settings, wanted: tuple[T.Topic, ...] | list[T.Topic]) -> dict[TopicPartition, int]:
@@ -270,6 +291,8 @@ def replay(cfg: ReplayConfig, settings: Settings | None = None, log=print,
         if not callable(reward_fn):
             raise ReplayError(f"reward function {cfg.reward!r} is not callable")
     init_from = check_checkpoint(s, cfg.train_from) if cfg.train_from else None
+    if cfg.train_from:  # the ids trained must be the trainer's tokenizer's (claim-checked spans: not read here)
+        check_tokenizer(asyncio.run(_window_spans(s, cfg.since_ms, cfg.until_ms)), TrainerConfig().base_dir or s.model_dir)
     transitions, samples, dead, accounts = output_topics(cfg.suffix)
     app_id = f"spanrl-replay-{cfg.suffix}"
     asyncio.run(ensure_topics(s.kafka_bootstrap, (transitions, samples, dead, accounts)))
