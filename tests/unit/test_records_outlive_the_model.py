@@ -108,3 +108,46 @@ def test_a_token_id_replay_onto_another_tokenizer_is_refused(tmp_path):
                                           rf"tokenizer of {tmp_path.name} \(sha256 {target[:12]}…\)"):
         check_tokenizer(spans, tmp_path)
     assert check_tokenizer([{"llm": {"tokenizer": "x", "tokenizer_sha256": target}}], tmp_path) == target
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_proxy_records_what_the_client_sent_and_the_tokenizer(tmp_path, monkeypatch, capture):
+    """A chat call through the proxy app (vLLM answering with a captured response): the span's
+    call keeps the messages, the answer, the options and the tokenizer of the base model
+    directory; with ``SPANRL_CAPTURE_MESSAGES=false`` only the tokenizer."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from spanrl.core.settings import get_settings
+    from spanrl.producers.kafka import Topics
+    from spanrl.producers.proxy import create_app
+    from tests.unit.test_producers_messages_stream import AckingSink
+
+    model_dir = tmp_path / "my-base"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text('{"model": {"vocab": {"hi": 0}}}')
+    monkeypatch.setenv("SPANRL_BASE_MODEL_DIR", str(model_dir))
+    monkeypatch.setenv("SPANRL_CAPTURE_MESSAGES", "true" if capture else "false")
+    get_settings.cache_clear()  # the proxy reads the settings when the app is made; cleared again below
+    answer = json.loads((Path(__file__).parents[1] / "fixtures" / "vllm_chat_completion.json").read_text())
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Hello!"}], "temperature": 1.0,
+            "max_tokens": 16}
+    sink = AckingSink(Topics())
+    try:
+        app = create_app(sink, "http://vllm", "policy", claim_client=object(), payload_bucket="b")
+    finally:
+        get_settings.cache_clear()
+    with TestClient(app) as client:
+        app.state.client = httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, json=answer)))
+        r = client.post("/rollouts/r1/attempts/0/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [(_, _, value)] = sink.sent
+    llm = codec.decode("span", value)["llm"]
+    assert (llm["tokenizer"], llm["tokenizer_sha256"]) == ("my-base", tokenizer_sha256(model_dir))
+    if capture:
+        assert json.loads(llm["input_messages"]) == body["messages"]
+        assert json.loads(llm["output_messages"]) == [answer["choices"][0]["message"]]
+        assert json.loads(llm["request"]) == {"model": "policy", "temperature": 1.0, "max_tokens": 16}
+    else:
+        assert (llm["input_messages"], llm["output_messages"], llm["request"]) == (None, None, None)
