@@ -283,6 +283,11 @@ async def copy_inputs(settings, suffix: str, since_ms: int | None, until_ms: int
     bootstrap = settings.kafka_bootstrap
     targets = {t.name: T.derived(t, suffix) for t in INPUTS}
     await ensure_topics(bootstrap, tuple(targets.values()))
+    used = [t.name for t in targets.values()
+            if any(hi > lo for lo, hi in (await window(bootstrap, t, None, None)).values())]
+    if used:  # a second copy would append the window again
+        raise ReplayError(f"{', '.join(used)} already hold records: suffix {suffix!r} was used by another replay; "
+                          "choose a new --suffix")
     got = {t.name: await read_window(bootstrap, t.name, await window(bootstrap, t, since_ms, until_ms))
            for t in INPUTS}
     result: dict[str, Any] = {"copied": {t.name: len(got[t.name]) for t in INPUTS}}

@@ -91,7 +91,7 @@ def test_a_new_reward_changes_the_returns_and_trains(stack, settings, scratch_ru
     assert sorted(SEEN) == [({"answer": 4}, 1, 1.0), ({"answer": 4}, 2, 1.0)]
 
     transitions_topic, samples_topic, _, _ = output_topics(suffix)
-    replayed = [t for t in asyncio.run(read_topic(settings.kafka_bootstrap, transitions_topic))]
+    replayed = asyncio.run(read_topic(settings.kafka_bootstrap, transitions_topic))
     assert after.rollout_id not in {t["rollout_id"] for t in replayed}  # after until: not replayed
     mine = [t for t in replayed if t["rollout_id"] in ids]
     assert sorted((t["rollout_id"], t["episode_return"]) for t in mine) == sorted(
@@ -106,7 +106,8 @@ def test_a_new_reward_changes_the_returns_and_trains(stack, settings, scratch_ru
     run = result["training"]["run"]
     assert result["training"]["from"] == "base"
     manifest = checkpoint.read_manifest(checkpoint.make_client(settings), settings.checkpoint_bucket, run, 1)
-    assert manifest is not None and manifest["run"] == run and manifest["parent_version"] in (None, 0)
+    assert manifest is not None and manifest["run"] == run and manifest["parent_version"] == 0  # from the base
+    assert list(manifest["trained_offsets"]) == [f"{samples_topic.name}:0"]
 
 
 def test_train_from_an_unknown_checkpoint_is_refused_before_replaying(stack, settings):
