@@ -158,3 +158,19 @@ def test_rewritten_rewards_replace_drop_keep_and_add():
         (2, 31, b"", "r3", 2.5, True, "pkg.grader:score", {}),  # no recorded reward: added at its end
     ]
     assert out[-1].record["timestamp_ms"] == 30 and out[-1].key == b"r3"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--train-from", "run-a"], "--train-from must be RUN:VERSION or base, got 'run-a'"),
+    (["--reward", "no_such_module_here:score"], "reward function 'no_such_module_here:score' does not load"),
+    (["--since", "2026-12-02", "--until", "2026-12-01"], "until must be after since"),
+])
+def test_cli_refuses_bad_replays_with_a_reason_not_a_traceback(args, reason):
+    """Refused before anything is read or written (no Kafka here): exit 1 and the reason."""
+    from typer.testing import CliRunner
+
+    from spanrl.infra import cli
+
+    out = CliRunner().invoke(cli.app, ["replay", "--suffix", "x", *args], env={"COLUMNS": "300"})
+    assert out.exit_code == 1 and "replay refused" in out.output and "Traceback" not in out.output
+    assert reason in " ".join(out.output.split())
