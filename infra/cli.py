@@ -8,7 +8,8 @@
     spanrl demo ...                        the same command (make demo)
     spanrl study [--seeds 3] ...           the main job once per run seed, one report across seeds
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
-    spanrl replay ...                      rebuild transitions under a new credit rule
+    spanrl replay ...                      rebuild transitions under a new credit rule or reward
+    spanrl export --out DIR                episodes, transitions, samples as Parquet / JSONL
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
     spanrl test [--tier fast|slow|all]     start the stack, run a test tier, stop it (make test)
     spanrl calls [--rollout ID] [--last N] each LLM call's agent (resolved how), trained or excluded
@@ -590,6 +591,19 @@ def eval_cmd(
     console.print(f"{report['paths']}")
 
 
+def _utc_ms(text: str | None) -> int | None:
+    """Milliseconds since the epoch of an ISO 8601 time (UTC unless it says otherwise)."""
+    from datetime import datetime, timezone
+
+    if not text:
+        return None
+    try:
+        ts = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not an ISO 8601 time: {text!r}") from exc
+    return int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+
+
 @app.command()
 def replay(
     suffix: str = typer.Option(..., help="names the output topics (transitions.<suffix>, samples.<suffix>) and the new run"),
@@ -600,25 +614,68 @@ def replay(
     train_agents: str = typer.Option(None, help="whose calls train: comma-separated agent names or re:EXPR "
                                      "(default: every call; the live job's SPANRL_TRAIN_AGENTS is not used)"),
     since: str = typer.Option(None, help="replay from this time (ISO 8601, UTC) instead of the beginning"),
-    train_from: str = typer.Option(None, help="RUN:VERSION checkpoint to train run replay-<suffix> from"),
+    until: str = typer.Option(None, help="replay the records before this time (ISO 8601, UTC) only"),
+    reward: str = typer.Option(None, help="package.module:function giving each attempt a new final reward "
+                               "(docs/replay.md; default: the recorded rewards)"),
+    workers: int = typer.Option(1, min=1, help="Faust workers sharing the input partitions"),
+    timeout: float = typer.Option(None, help="give up if the workers have not caught up after this many seconds "
+                                  "(default: never)"),
+    train_from: str = typer.Option(None, help="RUN:VERSION checkpoint to train run replay-<suffix> from "
+                                   "(RUN:0 or base: the base model)"),
     train_updates: int = typer.Option(1, help="updates of that training"),
 ) -> None:
     """Rebuild transitions/samples from the stored spans/rewards/rollouts under a new credit
-    rule into new topics, then (optionally) train a new run from a chosen checkpoint."""
+    rule or a new reward into new topics, then (optionally) train a new run from a chosen
+    checkpoint."""
     import json
-    from datetime import datetime, timezone
 
-    from spanrl.infra.replay import ReplayConfig, replay as run_replay
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    since_ms = None
-    if since:
-        ts = datetime.fromisoformat(since)
-        since_ms = int((ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).timestamp() * 1000)
-    with console.status(f"replaying into transitions.{suffix} …"):
-        result = run_replay(ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=since_ms,
-                                         train_agents=train_agents, air_rules=air_rules,
-                                         train_from=train_from, train_updates=train_updates), log=console.print)
+    from spanrl.infra.replay import ReplayConfig, ReplayError, replay as run_replay
+
+    cfg = ReplayConfig(suffix=suffix, credit_rule=credit_rule, since_ms=_utc_ms(since), until_ms=_utc_ms(until),
+                       train_agents=train_agents, air_rules=air_rules, reward=reward, workers=workers,
+                       timeout_s=timeout, train_from=train_from, train_updates=train_updates)
+    with Progress(TextColumn(f"replaying into transitions.{suffix}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("input records"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("replay", total=None)
+        try:
+            result = run_replay(cfg, log=console.print,
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except (ValueError, ReplayError) as exc:
+            console.print(f"[red]replay refused[/red]: {exc}")
+            raise typer.Exit(1)
+        except RuntimeError as exc:
+            console.print(f"[red]replay failed[/red]: {exc}")
+            raise typer.Exit(1)
     console.print_json(json.dumps(result))
+
+
+@app.command()
+def export(
+    out: str = typer.Option(..., help="directory the files go to (created)"),
+    suffix: str = typer.Option(None, help="export a replay's transitions.<suffix> / samples.<suffix> instead"),
+    tables: str = typer.Option(",".join(("episodes", "transitions", "samples")),
+                               help="comma-separated: episodes, transitions, samples"),
+    formats: str = typer.Option("parquet,jsonl", help="comma-separated: parquet, jsonl"),
+) -> None:
+    """Write episodes, transitions and samples as Parquet and JSON lines.
+
+    docs/export.md gives the schema; ``messages`` is TRL's conversational format."""
+    import asyncio
+    from pathlib import Path
+
+    from spanrl.core.settings import get_settings
+    from spanrl.infra.export import FORMATS, TABLES, read_export, write_tables
+
+    wanted, fmts = _names(tables) or list(TABLES), _names(formats) or list(FORMATS)
+    bad = [t for t in wanted if t not in TABLES] + [f for f in fmts if f not in FORMATS]
+    if bad:
+        raise typer.BadParameter(f"unknown {bad}; tables: {', '.join(TABLES)}; formats: {', '.join(FORMATS)}")
+    with console.status("reading the topics …"):
+        rows = asyncio.run(read_export(get_settings(), suffix))
+    for path, count in write_tables({t: rows[t] for t in wanted}, Path(out), fmts).items():
+        console.print(f"{path}: {count} rows")
 
 
 @app.command()

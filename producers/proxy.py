@@ -68,6 +68,7 @@ from spanrl.core import metrics as prom
 from spanrl.core.edge import BadRequest
 from spanrl.core.settings import PROCESSED_LOGPROBS, ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import edge, seeding, streaming
+from spanrl.producers.content import recorded_content
 from spanrl.producers.client_apis import CLIENT_APIS, ClientApi, StreamEvents
 from spanrl.producers.client_apis import MESSAGES, sse_events, strip_response  # noqa: F401 - their old home
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
@@ -389,6 +390,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
 
         payload_bucket = get_settings().payload_bucket
     claim_client = claim_client or claims.make_client()
+    capture, tokenizer = call_content_settings()
     seq = SequenceCounter()
     policy = PolicyState(policy_version)
     train_topics: Topics = sink.topics
@@ -583,6 +585,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             span = base_span(ctx, seq.next(ctx.rollout_id, ctx.attempt_id), response, choice)
             try:
                 span["llm"] = llm_call_from_response(ctx.endpoint, ctx.body, response, policy.version, choice)
+                span["llm"].update(recorded_content(ctx.endpoint == CHAT, ctx.body, response, choice, capture, tokenizer))
                 value = codec.encode(ctx.topics.spans.record, span)
                 # oversize: the record goes to MinIO, a small span with its ref to Kafka
                 items.append((ctx.topics.spans, ctx.rollout_id, await claims.check_in(
@@ -813,6 +816,18 @@ def eval_temperature(sampling: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) and value >= 0 else None
+
+
+def call_content_settings() -> tuple[bool, tuple[str, str | None]]:
+    """(``SPANRL_CAPTURE_MESSAGES``, the served base model's tokenizer identity: its name and
+    spanrl.core.tokenizer_id's hash of its directory's tokenizer files, None without them),
+    read once when the app is made (spanrl/producers/content.py)."""
+    from spanrl.core.settings import get_settings
+    from spanrl.core.tokenizer_id import tokenizer_sha256
+
+    s = get_settings()
+    name = s.base_model_dir.name if s.base_model_dir else s.model
+    return ProducerSettings().capture_messages, (name, tokenizer_sha256(s.model_dir))
 
 
 def span_attributes(endpoint: str, body: dict, response: dict, agent: str | None, choice: int = 0) -> dict[str, str]:

@@ -476,6 +476,13 @@ class ProducerSettings(Section):
                                          unit="bytes", readers="bridge")
     policy_version: int = setting(0, "the proxy's policy-version label until the reloader answers "
                                   "(`--policy-version`)", readers="proxy")
+    # issue 55: records that outlive the model
+    capture_messages: bool = setting(True, "each proxy call also records the messages the client sent and got and "
+                                     "the request's tools and options (span v2 `llm.input_messages` / "
+                                     "`output_messages` / `request`); false: token ids and the tokenizer's identity "
+                                     "only, and then no new reward can read the text, no export has `messages` and "
+                                     "no other model can be trained from these calls (docs/replay.md)",
+                                     readers="proxy")
 
 
 def _falsy_off(value):

@@ -85,7 +85,7 @@ def test_check_in_small_record_passes_large_record_is_claimed():
     out = asyncio.run(claims.check_in(store, "bkt", topic, "r/1 x", big, value))
     key = claims.content_key("spans", "r/1 x", value)
     assert store.objects == {("bkt", key): value}
-    assert codec.decode("span", out) == {**claims.claim_span(big, f"s3://bkt/{key}"), "schema_version": 1}
+    assert codec.decode("span", out) == {**claims.claim_span(big, f"s3://bkt/{key}"), "schema_version": 2}
     assert claims.fits(len(out), topic.max_message_bytes)
 
 

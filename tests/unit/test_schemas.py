@@ -61,7 +61,10 @@ def _close(a, b):
 #: record types whose newest schema is past v1, and the fields that version added (with defaults)
 LATE_DEFAULTS = {"reward_delay_ms": None, "late_reward": False}
 AIR_DEFAULTS = {"intermediate_reward": 0.0, "air_rules": ""}
-NEWER = {"checkpoint": (2, {"event": "published", "detail": None}),
+#: span v2: the call's content and tokenizer identity, inside ``llm``
+LLM_V2_DEFAULTS = {"input_messages": None, "output_messages": None, "request": None, "tokenizer": None,
+                   "tokenizer_sha256": None}
+NEWER = {"span": (2, {}), "checkpoint": (2, {"event": "published", "detail": None}),
          "transition": (2, {**AIR_DEFAULTS, **LATE_DEFAULTS}), "sample": (2, {}),
          "rollout": (2, {"inputs_acked": False})}
 
@@ -78,6 +81,8 @@ def test_round_trip(record_type):
     if record_type == "sample":
         back["transition"].pop("schema_version")  # the embedded record's own field
         expected["transition"] = {**TRANSITION, **NEWER["transition"][1]}
+    if record_type == "span":
+        expected["llm"] = {**expected["llm"], **LLM_V2_DEFAULTS}
     assert _close(expected, back)
 
 

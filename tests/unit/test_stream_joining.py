@@ -10,7 +10,7 @@ CFG = joining.JoinConfig(orphan_timeout_s=10, orphan_topic="orphan-spans")
 
 def orphan(sid, parent=None, name="ChatCompletion", kind="llm", agent=None, **extra):
     """An orphan-spans record as the bridge writes it (producers/otlp.py)."""
-    return {"schema_version": 1, "rollout_id": "", "attempt_id": "", "sequence_id": -1, "trace_id": TID,
+    return {"schema_version": codec.latest_version("span"), "rollout_id": "", "attempt_id": "", "sequence_id": -1, "trace_id": TID,
             "span_id": sid, "parent_span_id": parent, "name": name, "kind": kind, "source": "otlp",
             "start_time_unix_nano": 1, "end_time_unix_nano": 2, "status_code": "OK", "agent_name": agent,
             "attributes": {"llm.model_name": "policy"}, "llm": None, "payload_ref": None, **extra}
