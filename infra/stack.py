@@ -401,10 +401,32 @@ class Stack:
         """Start ``names`` (default: all) in dependency order. An undeclared ``SPANRL_*``
         variable in the environment (a misspelt setting) raises UnknownSetting first."""
         check_environment()
+        self.ensure_credentials()
         for name in self.with_replicas(names or list(self.components)):
             if progress:
                 progress(name)
             self.start(name)
+
+    def ensure_credentials(self) -> list[str]:
+        """Auth on: make the secrets the state directory lacks (spanrl/core/credentials.py; the
+        agent and administrator tokens printed once, when made) and give them to this process's
+        settings; open: say so. Returns the names made."""
+        from spanrl.core import credentials
+
+        if self.s.auth == "open":
+            print("*** SPANRL_AUTH=open: the stack checks no credential; anyone who reaches "
+                  f"{self.s.host} may use and train the model (a laptop demo only) ***", file=sys.stderr)
+            return []
+        made = credentials.ensure_secrets(self.s.state_dir)
+        self.s.reload_secrets()
+        if made:
+            where = credentials.secrets_dir(self.s.state_dir)
+            shown = {credentials.AGENT_TOKEN: self.s.auth_token, credentials.ADMIN_TOKEN: self.s.admin_token}
+            lines = [f"  {name}: {shown[name].get_secret_value()}" for name in made if shown.get(name) is not None]
+            print(f"spanrl: made the stack's secrets in {where} (mode 0600; shown this once):", *lines,
+                  "  clients on this machine read them from there (docs/operations.md, Credentials)",
+                  sep="\n", file=sys.stderr)
+        return made
 
     def down(self, names: list[str] | None = None) -> None:
         """Stop ``names`` (default: all) in reverse dependency order."""
