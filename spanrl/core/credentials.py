@@ -37,9 +37,14 @@ def secrets_dir(state_dir: Path) -> Path:
 def read_secret(state_dir: Path, name: str) -> str | None:
     """The secret ``name`` of the stack at ``state_dir`` (stripped), None when there is none
     (no file, an empty one, or one this user may not read)."""
+    return read_file(secrets_dir(state_dir) / name)
+
+
+def read_file(path: Path) -> str | None:
+    """A secret file's value (stripped); None when missing, empty or unreadable."""
     try:
-        value = (secrets_dir(state_dir) / name).read_text().strip()
-    except (FileNotFoundError, PermissionError, NotADirectoryError):
+        value = Path(path).read_text().strip()
+    except (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError):
         return None
     return value or None
 

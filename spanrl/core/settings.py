@@ -303,6 +303,9 @@ class Settings(Section):
                                             "dashboard only it); unset: `state_dir/secrets/admin_token`",
                                             readers="bridge, proxy, trainer, reloader, dashboard, eval, main job, "
                                             "chaos, admin helpers")
+    checkpoint_key_file: Path | None = setting(None, "the key the trainer signs checkpoint manifests with and the "
+                                               "reloader verifies them with (HMAC-SHA256); only they read it",
+                                               readers="trainer, reloader", shown="`state_dir/secrets/checkpoint_key`")
     bridge_max_inflight_bytes: int = setting(64 << 20, "bytes of encoded records the bridge holds waiting for "
                                              "Kafka's acks; a request that would go over gets 503 `buffer_full`",
                                              unit="bytes", readers="bridge")
@@ -414,11 +417,15 @@ class Settings(Section):
         return as_credentials(agent) if admin is None else Credentials(agent=(agent,), admin=admin)
 
     def checkpoint_key(self) -> bytes | None:
-        """The checkpoint signing key (``state_dir/secrets/checkpoint_key``; only the trainer and
-        the reloader read it), None when there is none."""
+        """The checkpoint signing key (``checkpoint_key_file``, else
+        ``state_dir/secrets/checkpoint_key``; only the trainer and the reloader read it), None
+        when there is none."""
         from spanrl.core import credentials
 
-        key = credentials.read_secret(self.state_dir, credentials.CHECKPOINT_KEY)
+        if self.checkpoint_key_file is not None:
+            key = credentials.read_file(self.checkpoint_key_file)
+        else:
+            key = credentials.read_secret(self.state_dir, credentials.CHECKPOINT_KEY)
         return key.encode() if key is not None else None
 
     @field_validator("kafka_brokers")

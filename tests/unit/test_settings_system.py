@@ -91,7 +91,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 157
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 158
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -191,7 +191,7 @@ def test_stack_wide_defaults():
         'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0, 'recipe': '',
         'vllm_tool_call_parser': 'hermes', 'vllm_chat_template': 'infra/chat_templates/smollm2_tools.jinja',
         'rollout_temperature': None,
-        'auth': 'on', 'auth_token_file': None, 'bridge_max_inflight_bytes': 67108864,
+        'auth': 'on', 'auth_token_file': None, 'checkpoint_key_file': None, 'bridge_max_inflight_bytes': 67108864,
         'kafka_send_timeout_s': 15.0, 'tracker': 'tensorboard', 'tracker_dir': None}
 
 
