@@ -36,8 +36,7 @@ class BearerAuth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        refusal = authorize(self.credentials, scope["method"], scope["path"], header)
+        refusal = authorize(self.credentials, scope["method"], scope["path"], presented(scope["headers"]))
         if refusal is None:
             await self.app(scope, receive, send)
             return
@@ -46,6 +45,16 @@ class BearerAuth:
         if status == 401:
             response.headers["WWW-Authenticate"] = www_authenticate(reason)
         await response(scope, receive, send)
+
+
+def presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The credential a request presents, as an ``Authorization`` value: that header, else
+    ``x-api-key`` (how the Anthropic SDK sends its ``api_key``) as a bearer token."""
+    header = next((v for k, v in headers if k == b"authorization"), None)
+    if header is None:
+        key = next((v for k, v in headers if k == b"x-api-key"), None)
+        header = b"Bearer " + key if key else None
+    return header
 
 
 def install_auth(app, credentials: Credentials | SecretStr | str | None,
