@@ -66,6 +66,24 @@ def install_auth(app, credentials: Credentials | SecretStr | str | None,
         app.add_middleware(BearerAuth, credentials=creds, reject=reject)
 
 
+async def read_body(request, max_bytes: int) -> bytes:
+    """The body of a Starlette ``request``, at most ``max_bytes``: a larger ``Content-Length``
+    or a chunked body that grows past it raises :class:`BadRequest` 413 ``body_too_large``
+    before more is read."""
+    from spanrl.core.edge import BadRequest
+
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > max_bytes:
+        raise BadRequest(413, "body_too_large", f"body of {length} bytes over {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(413, "body_too_large", f"body over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def validation_summary(exc: RequestValidationError) -> str:
     """A 422's detail without the offending input: ``body.value: Input should be ...; ...``."""
     return "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors())

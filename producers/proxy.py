@@ -371,12 +371,15 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
                credentials: Credentials | SecretStr | str | None = None, claim_client=None,
                payload_bucket: str | None = None, eval_topics: Topics | None = None,
-               rollout_temperature: float | None = None, reloader_token: SecretStr | str | None = None) -> FastAPI:
+               rollout_temperature: float | None = None, reloader_token: SecretStr | str | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
     ``credentials``: what every route but ``GET /health`` requires (None: open; spanrl/core/edge.py
     ``Credentials``: the agent token for the LLM routes, the administrator's for ``/admin/*``;
     one plain token: both). ``reloader_token``: the token the proxy sends the reloader.
+    ``max_body_bytes``: the largest request body (413 ``body_too_large``; default
+    ``SPANRL_PROXY_MAX_BODY_BYTES``).
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
     (spanrl/core/claims.py); default: MinIO and bucket of the settings.
     ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
@@ -391,6 +394,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         from spanrl.core.settings import get_settings
 
         payload_bucket = get_settings().payload_bucket
+    if max_body_bytes is None:
+        max_body_bytes = ProducerSettings().proxy_max_body_bytes
     claim_client = claim_client or claims.make_client()
     seq = SequenceCounter()
     policy = PolicyState(policy_version)
@@ -482,7 +487,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         try:
             ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
-            body = client_body = parse_body(request.headers.get("content-type"), await request.body())
+            body = client_body = parse_body(request.headers.get("content-type"),
+                                            await edge.read_body(request, max_body_bytes))
             if api.counter is not None:
                 metrics[api.counter] += 1
             body = api.vllm_request(client_body)

@@ -507,16 +507,20 @@ class Reloader:
             except asyncio.TimeoutError:
                 pass
 
+    def http_routes(self) -> dict:
+        """The HTTP routes beside /health and /status (trainer/train.py ``http_app``'s keyword
+        arguments): ``GET /policy``, ``POST /admin/pin``, ``POST /admin/unpin``, /metrics."""
+        return {"routes": {"/policy": self.policy},
+                "post_routes": {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin},
+                "metrics_fn": lambda: tracking.reloader_families(self.status(), self.history, self.handled)}
+
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         from spanrl.schemas.codec import SchemaError, decode
 
-        http = await start_http(self.settings.host, self.settings.reloader_port, self.status,
-                                {"/policy": self.policy},
-                                {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin},
-                                metrics_fn=lambda: tracking.reloader_families(self.status(), self.history, self.handled),
+        http = await start_http(self.settings.host, self.settings.reloader_port, self.status, **self.http_routes(),
                                 credentials=service_credentials(self.settings, "reloader", log)) \
             if self.cfg.http else None
         consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,

@@ -1182,13 +1182,16 @@ class Trainer:
             raise
         return consumer, tps
 
+    def http_routes(self) -> dict:
+        """The HTTP routes beside /health and /status (:func:`http_app`'s keyword arguments)."""
+        return {"post_routes": {"/admin/train": self.request_train},
+                "metrics_fn": lambda: tracking.trainer_families(self.status())}
+
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
         """Run until ``max_updates`` or :meth:`stop` (a stop during a retry ends it too)."""
         torch.manual_seed(self.torch_seed)
-        http = await start_http(self.settings.host, self.settings.trainer_port, self.status,
-                                post_routes={"/admin/train": self.request_train},
-                                metrics_fn=lambda: tracking.trainer_families(self.status()),
+        http = await start_http(self.settings.host, self.settings.trainer_port, self.status, **self.http_routes(),
                                 credentials=service_credentials(self.settings, "trainer", log)) \
             if self.cfg.http else None
         self.tracker = tracking.tracker_for(self.settings, self.run, "trainer")
@@ -1556,10 +1559,9 @@ class Trainer:
 
 # ---- HTTP /health and /status ---------------------------------------------------------
 
-async def start_http(host: str, port: int, status_fn, routes: dict | None = None,
-                     post_routes: dict | None = None, metrics_fn=None, credentials=None,
-                     max_body_bytes: int = 1 << 20):
-    """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn(),
+def http_app(status_fn, routes: dict | None = None, post_routes: dict | None = None, metrics_fn=None,
+             credentials=None, max_body_bytes: int = 1 << 20):
+    """The aiohttp app of the trainer and the reloader (:func:`start_http` serves it): GET /health -> {"ok": true}, GET /status -> status_fn(),
     GET /metrics -> the Prometheus families ``metrics_fn()`` returns, in the text format
     (spanrl.core.metrics),
     GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route, and
@@ -1626,6 +1628,15 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
         app.router.add_get(path, handler(fn))
     for path, fn in (post_routes or {}).items():
         app.router.add_post(path, post_handler(fn))
+    return app
+
+
+async def start_http(host: str, port: int, status_fn, **app_kw):
+    """:func:`http_app` (``app_kw``: its keyword arguments) served on ``host:port`` from the
+    running loop; returns the runner (``await runner.cleanup()`` stops it)."""
+    from aiohttp import web
+
+    app = http_app(status_fn, **app_kw)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

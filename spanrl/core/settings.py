@@ -536,6 +536,8 @@ class ProducerSettings(Section):
 
     bridge_max_body_bytes: int = setting(8 << 20, "largest request body the bridge takes (`--max-body-bytes`)",
                                          unit="bytes", readers="bridge")
+    proxy_max_body_bytes: int = setting(16 << 20, "largest request body the proxy takes (413 `body_too_large`)",
+                                        unit="bytes", readers="proxy")
     policy_version: int = setting(0, "the proxy's policy-version label until the reloader answers "
                                   "(`--policy-version`)", readers="proxy")
 
