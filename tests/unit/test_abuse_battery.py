@@ -237,3 +237,15 @@ def test_the_stack_makes_its_secrets_once_and_prints_the_tokens_once(tmp_path, c
     open_stack = Stack(_settings(tmp_path / "open", auth="open"))
     assert open_stack.ensure_credentials() == []
     assert "SPANRL_AUTH=open" in capsys.readouterr().err and not (tmp_path / "open" / "state" / "secrets").exists()
+
+
+def test_an_anthropic_clients_x_api_key_is_a_bearer_token():
+    _, apps = _producers()
+    messages = {"model": "policy", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    with TestClient(apps["proxy"]) as c:
+        answers = [c.post("/rollouts/r/attempts/0/v1/messages", json=messages, headers={"x-api-key": key})
+                   for key in (AGENT, "not-a-token")]
+        admin_route = c.get("/admin/policy_version", headers={"x-api-key": AGENT})
+        both = c.get("/status", headers={"x-api-key": AGENT, "Authorization": "Bearer not-a-token"})
+    assert answers[0].status_code not in (401, 403) and answers[1].status_code == 401
+    assert (admin_route.status_code, both.status_code) == (403, 401)  # Authorization, when sent, is what counts
