@@ -190,3 +190,26 @@ def test_reloader_tells_the_proxy_with_the_administrator_token(monkeypatch):
                         lambda: Settings(_env_file=None, auth_token=TOKEN, admin_token="adm-" + TOKEN))
     asyncio.run(reloader.notify_proxy("http://proxy.test", 4, "s3://b/run/4/"))
     assert seen == [("/admin/policy_version", f"Bearer adm-{TOKEN}", {"version": 4, "checkpoint": "s3://b/run/4/"})]
+
+
+def test_settings_credentials_closed_open_and_the_single_token(tmp_path, monkeypatch):
+    from spanrl.core.edge import ADMIN, AGENT, Credentials
+    from spanrl.core.settings import AuthNotConfigured
+
+    for name in ("SPANRL_AUTH_TOKEN", "SPANRL_AUTH_TOKEN_FILE", "SPANRL_ADMIN_TOKEN", "SPANRL_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    state = tmp_path / "state"  # no stack secrets there
+    with pytest.raises(AuthNotConfigured, match="start the stack once"):
+        Settings(_env_file=None, state_dir=state).credentials()
+    assert Settings(_env_file=None, state_dir=state, auth="OPEN").credentials() is None
+    with pytest.raises(ValidationError, match="must be `on` or `open`"):
+        Settings(_env_file=None, auth="off")
+    single = Settings(_env_file=None, state_dir=state, auth_token=TOKEN).credentials()  # the old one-token setup
+    assert single.role(f"Bearer {TOKEN}".encode()) == (ADMIN, None)
+    both = Settings(_env_file=None, state_dir=state, auth_token=TOKEN, admin_token="adm-" + TOKEN).credentials()
+    assert both == Credentials(agent=(TOKEN,), admin="adm-" + TOKEN)
+    assert both.role(f"Bearer {TOKEN}".encode()) == (AGENT, None)
+    assert both.role(b"Bearer nope") == (None, "invalid_token") and both.role(None) == (None, "missing_token")
+    assert TOKEN not in repr(both)
+    with pytest.raises(ValueError, match="must differ"):
+        Credentials(agent=(TOKEN,), admin=TOKEN)
