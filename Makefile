@@ -9,17 +9,19 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo study test test-slow test-unit docs up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
+.PHONY: bootstrap demo train study test test-slow test-unit docs up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
 
 bootstrap:
 	@bash infra/bootstrap.sh
 
-## Main job: start the stack, run an agent through the whole loop, stop.
+## Train an agent and evaluate it before and after (spanrl train): start the stack if it is down,
+## run the agent on its training tasks, one update per iteration, stop the stack.
 ## AGENT=math (default: the one whose learning was measured) | sql | rag, or your own agent's spec,
 ## module:attribute of a spanrl.AgentSpec on PYTHONPATH (AGENT=my_pkg.my_agent:spec).
+## `make demo` and `make train` are the same command.
 AGENT ?= math
-demo: bootstrap
-	$(PY) -m spanrl.infra.cli demo --agent $(AGENT) $(ARGS)
+demo train: bootstrap
+	$(PY) -m spanrl.infra.cli train --agent $(AGENT) $(ARGS)
 
 ## The main job once per run seed and one report across seeds (results/study/study.{json,png});
 ## the stack must be down. ARGS="--seeds 3" (default), e.g. ARGS="--seeds 5 --first-seed 10".

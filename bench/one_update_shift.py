@@ -29,12 +29,13 @@ import time
 from pathlib import Path
 
 def demo_update_options() -> dict:
-    """``train_update`` keywords (and ``lr``) of the demo's trainer: TrainerConfig with the main
-    job's DEMO_TRAINER_ENV applied over its defaults (the one place either is written)."""
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV
+    """``train_update`` keywords (and ``lr``) of the demo's trainer: TrainerConfig's defaults (recipe
+    ``default``, spanrl/core/recipes.py) with the main job's DRIVER_TRAINER_ENV over them (the one
+    place either is written)."""
+    from examples.math_agent.main_job import DRIVER_TRAINER_ENV
     from spanrl.trainer.train import TrainerConfig
 
-    cfg = TrainerConfig(**{k.removeprefix("SPANRL_TRAINER_").lower(): v for k, v in DEMO_TRAINER_ENV.items()})
+    cfg = TrainerConfig.from_environ(DRIVER_TRAINER_ENV)
     return {k: getattr(cfg, k) for k in ("lr", "loss_agg", "advantage_std_scale", "drop_zero_variance",
                                          "mini_batches", "micro_batch", "micro_batch_tokens")}
 

@@ -119,7 +119,7 @@ class SoakSide(SpanrlSustained):
             "SPANRL_TRAINER_SAMPLES_TOPIC": self.names["samples"],
             "SPANRL_TRAINER_CHECKPOINTS_TOPIC": self.prefix + "checkpoints",
             "SPANRL_TRAINER_HTTP": "false", "SPANRL_TRAINER_LOG_PATH": str(self.workdir / "trainer.jsonl"),
-            "SPANRL_TRAINER_MIN_BATCH": str(self.a.trainer_batch), "SPANRL_TRAINER_MAX_BATCH": str(self.a.trainer_batch),
+            "SPANRL_TRAINER_BATCHING": "stream", "SPANRL_TRAINER_MIN_BATCH": str(self.a.trainer_batch), "SPANRL_TRAINER_MAX_BATCH": str(self.a.trainer_batch),
             "SPANRL_TRAINER_MICRO_BATCH": "64", "SPANRL_TRAINER_MICRO_BATCH_TOKENS": "16384",
             "SPANRL_TRAINER_ACTIVATION_CHECKPOINTING": "false", "SPANRL_TRAINER_STALE_POLICY": "keep",
             "SPANRL_TRAINER_CHECKPOINT_EVERY": str(self.a.checkpoint_every),

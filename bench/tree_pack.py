@@ -7,7 +7,7 @@
 The samples of behaviour version ``--version`` (one update's worth with barrier batching; the
 first ``--groups`` GRPO groups of them in group-id order, 0: all) are trained once by the
 trainer's own ``train_update`` with the settings ``make demo MODEL=<SPANRL_MODEL>`` gives the
-trainer (the math main job's ``DEMO_TRAINER_ENV`` with the model's ``QWEN05B_LORA_DEMO``
+trainer (the math main job's ``demo_trainer_env`` with the model's ``QWEN05B_LORA_DEMO``
 entries over it, activation checkpointing and the LoRA adapter as the trainer loads them, the
 reference policy the adapter switched off) — first unpacked, then with ``tree_packing``, each in
 a process of its own (its own peak RSS), from the same weights and the same seeded adapter.
@@ -32,13 +32,14 @@ FIGURES = ("loss", "approx_kl", "ref_kl", "clip_frac", "grad_norm")
 
 def demo_trainer_config(model: str):
     """TrainerConfig of ``make demo MODEL=<model>``'s trainer: the math main job's
-    ``DEMO_TRAINER_ENV`` with the RAG spec's ``demo_plan`` model entries over it (the one
-    place each is written; the RAG and SQL specs share the 0.5B model's entry)."""
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV
+    ``demo_trainer_env`` with the RAG spec's ``demo_plan`` model entries (the one place each is
+    written; the RAG and SQL specs share the 0.5B model's entry) over TrainerConfig's defaults
+    (recipe ``default``)."""
+    from examples.math_agent.main_job import demo_trainer_env
     from spanrl.core.settings import TrainerConfig
     from spanrl.infra.agents import load_agent_spec
 
-    env = {**DEMO_TRAINER_ENV, **load_agent_spec("rag").demo_plan(model)["trainer_env"]}
+    env = demo_trainer_env(load_agent_spec("rag").demo_plan(model)["trainer_env"])
     return TrainerConfig.from_environ(env)
 
 
@@ -58,7 +59,9 @@ def one_update(samples: list[dict], model: str, packed: bool, queue) -> None:
 
     from spanrl.core.settings import get_settings
     from spanrl.trainer import lora
-    from spanrl.trainer.train import build_engine, load_model, train_update
+    from dataclasses import asdict
+
+    from spanrl.trainer.train import UpdateConfig, build_engine, load_model, train_update
 
     cfg = demo_trainer_config(model)
     torch.manual_seed(0)  # peft draws lora_A from torch's global generator
@@ -68,11 +71,9 @@ def one_update(samples: list[dict], model: str, packed: bool, queue) -> None:
                           grad_clip=cfg.grad_clip)
     ref = lora.AdapterDisabled(engine.module) if spec is not None and cfg.kl_coef > 0 else None
     t0 = time.perf_counter()
-    m = train_update(engine, copy.deepcopy(samples), ref_model=ref, clip_eps=cfg.clip_eps, micro_batch=cfg.micro_batch,
-                     micro_batch_tokens=cfg.micro_batch_tokens, kl_coef=cfg.kl_coef, loss_agg=cfg.loss_agg,
-                     advantage_std_scale=cfg.advantage_std_scale, drop_zero_variance=cfg.drop_zero_variance,
-                     mini_batches=cfg.mini_batches, logprob_chunk=cfg.logprob_chunk, prefix_merge=cfg.prefix_merge,
-                     tree_packing=packed)
+    # the update exactly as the trainer configures it (UpdateConfig.of), packing on or off
+    m = train_update(engine, copy.deepcopy(samples), ref_model=ref,
+                     **asdict(UpdateConfig.of(cfg, tree_packing=packed)))
     queue.put({**{k: m.get(k) for k in (*FIGURES, "samples", "steps", "tokens", "prefix_merge_tokens",
                                          "tree_pack_tokens", "tree_pack_row_tokens")},
                "update_s": round(time.perf_counter() - t0, 2),

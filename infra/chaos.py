@@ -74,7 +74,9 @@ CHAOS_ENV = {
                          reward_window_s="25", settle_s="2",
                          # a SIGKILLed worker's partitions move after 10 s, not Faust's 60 s
                          stream_session_timeout_s="10"),
-    **TrainerConfig.env(min_batch="12", idle_flush_s="5", checkpoint_every="1",
+    # the recipe's settings (TrainerConfig's defaults: recipe default), updates cut as the samples
+    # come (stream batching: min_batch samples or 5 s idle) so that faults land mid-update
+    **TrainerConfig.env(batching="stream", min_batch="12", idle_flush_s="5", checkpoint_every="1",
                         # a full run publishes ~35 versions of ~0.5 GB: keep the weights of the newest 4
                         # only (every manifest stays, so the offset chain is still checked end to end)
                         keep_published="4"),

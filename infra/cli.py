@@ -4,7 +4,8 @@
     spanrl stack status                    table of components, health, endpoints
     spanrl stack down                      stop everything
     spanrl stack logs NAME [-n 50]         tail a component's log
-    spanrl demo [--agent REF] ...          the main job (examples/math_agent/main_job.py)
+    spanrl train [--agent REF] ...         train an agent, evaluate before and after (the main job)
+    spanrl demo ...                        the same command (make demo)
     spanrl study [--seeds 3] ...           the main job once per run seed, one report across seeds
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule
@@ -15,6 +16,8 @@
     spanrl clean 'PATTERN' [--dry-run]     delete matching runs' checkpoints (MinIO and local)
 """
 from __future__ import annotations
+
+import re
 
 import typer
 from rich.console import Console
@@ -183,8 +186,11 @@ def test(
     # workers tests start); the stack's trainer updates only when a test asks (barrier), so no
     # update is started by whichever test's rollouts came before
     stack_only = TrainerConfig.env(batching="barrier")
+    # every trainer of the suite (the stack's and those tests start) runs recipe ``plain``, the
+    # learning options off: the suite tests plumbing; the default recipe is tested apart
+    # (tests/unit/test_recipes.py) and learns in ``make demo`` / ``make study``
     for name, value in {**TrainerConfig.env(keep_published=str(storage.TEST_KEEP_PUBLISHED)), **stack_only,
-                        **StreamSettings.env(stream_session_timeout_s="10")}.items():
+                        "SPANRL_RECIPE": "plain", **StreamSettings.env(stream_session_timeout_s="10")}.items():
         setdefault_env(name, value)
     stack = _fresh_run("test")
     storage.register_scratch(stack.s.cache_dir, stack.s.run)
@@ -405,10 +411,11 @@ def _agent_spec(ref: str):
 
 
 @app.command()
-def demo(
-    agent: str = typer.Option("math", help="the agent spec: module:attribute (an AgentSpec on PYTHONPATH) or "
-                              "math (AutoGen calculator) | sql (LangGraph text-to-SQL team, write/rewrite "
-                              "trained, check excluded) | rag (Agents SDK retrieval)"),
+def train(
+    agent: str = typer.Option("math", help="the agent spec: module:attribute (a spanrl.AgentSpec on PYTHONPATH, "
+                              "e.g. my_pkg.my_agent:spec) or math (AutoGen calculator) | sql (LangGraph "
+                              "text-to-SQL team, write/rewrite trained, check excluded) | rag (Agents SDK "
+                              "retrieval)"),
     iterations: int = typer.Option(None, help="tasks -> rollouts -> samples -> update -> reload cycles "
                                    "(default: the agent's demo size)"),
     tasks: int = typer.Option(None, help="new training tasks per iteration"),
@@ -425,12 +432,20 @@ def demo(
                                        "(default: mul, add, sub in turn) | arith_word (random kinds) | "
                                        "arith_word_balanced (one of each kind per 6 tasks)"),
     out: str = typer.Option("results", help="where summary.json, reward_curve.png and heldout.* go"),
-    keep_up: bool = typer.Option(False, help="leave the stack running afterwards"),
+    keep_up: bool = typer.Option(False, help="leave the stack running afterwards (a stack that was up before "
+                                 "is always left up)"),
     recipe: str = typer.Option(None, help=RECIPE_HELP),
 ) -> None:
-    """The main job: an agent (``--agent``: an AgentSpec by module:attribute, or math | sql | rag)
-    learns through Kafka, Faust, DeepSpeed, MinIO, vLLM; the base and the final policy are
-    evaluated on held-out tasks."""
+    """Train an agent (``--agent``: an AgentSpec by module:attribute, or math | sql | rag) on the
+    stack and evaluate it before and after on held-out tasks.
+
+    Starts the stack if it is down (and stops it afterwards unless ``--keep-up``), publishes the
+    spec's training tasks iteration by iteration, runs the agent on them through the runner, trains
+    with the recipe (TrainerConfig's defaults: recipe ``default``; ``--recipe`` or SPANRL_RECIPE
+    picks another), one update per iteration, and evaluates the base and the final policy on the
+    spec's held-out tasks with 95% paired intervals: OUT/summary.json, reward_curve.png,
+    heldout-<mode>.json/.png and per-kind results (examples/math_agent/main_job.py).
+    ``make demo`` is this command on the math agent at its demo size."""
     from pathlib import Path
 
     from examples.math_agent.main_job import MainJobConfig, demo_trainer_env, run_main_job
@@ -450,10 +465,11 @@ def demo(
             setdefault_env(k, v)
         setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)  # read by the stream job at start
     elif StreamSettings().train_agents != spec.train_agents:
-        console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s demo "
+        console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s run "
                       f"trains {spec.train_agents or 'every agent'} (restart the stack to apply)[/yellow]")
-    _check_free_space("demo")
-    stack = _fresh_run("demo")
+    _check_free_space("train")
+    was_up = Stack().running("trainer")
+    stack = _fresh_run(re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name))  # the run: <agent>-<UTC time>
     _up_or_exit(stack)
     try:
         summary = run_main_job(MainJobConfig(agent=agent, iterations=size["iterations"],
@@ -461,9 +477,13 @@ def demo(
                                              heldout_tasks=size["heldout_tasks"], **options,
                                              out_dir=Path(out)), console=console)
     finally:
-        if not keep_up:
+        if not (keep_up or was_up):
             stack.down()
     console.print(f"[bold green]done[/bold green]: {summary['paths']}")
+
+
+#: ``spanrl demo`` is ``spanrl train`` (the name ``make demo`` and earlier documents use)
+app.command("demo", help="The same command as `train` (make demo: the math agent at its demo size).")(train)
 
 
 @app.command()
@@ -650,7 +670,8 @@ def chaos(
 SHORT_HELP = {
     "calls": "Each LLM call of ended attempts: its agent, how it was resolved, trained or excluded.",
     "clean": "Delete the checkpoints of the matching runs (MinIO objects and local copies).",
-    "demo": "The main job: an agent (--agent) learns on the stack, evaluated before and after.",
+    "train": "Train an agent (--agent module:attribute) on the stack, evaluated before and after.",
+    "demo": "The same as train (make demo: the math agent at its demo size).",
     "study": "The main job once per run seed, and one report across the seeds.",
     "eval": "Evaluate an agent on held-out tasks under one or more policies.",
     "replay": "Rebuild transitions from the stored spans under a new credit rule; optionally train.",

@@ -257,6 +257,8 @@ def train_replayed(cfg: ReplayConfig, samples_topic: str, s: Settings, log=print
     env = child_env({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
                     TrainerConfig.env(run=run, samples_topic=samples_topic, init_from=cfg.train_from, start="earliest",
                                       max_updates=cfg.train_updates, http=False, idle_flush_s="3",
+                                      # updates of train_max_batch samples, or what 3 s idle leaves
+                                      batching="stream",
                                       # replayed samples are off-policy by design (made by the original
                                       # run's versions): trained with the importance ratio capped
                                       # (trainer/staleness.py), not refused

@@ -29,7 +29,7 @@ GIB = 1024 ** 3
 # (6.7 GiB) after, leaving 0.1 GB behind instead of 2.1; `make chaos` ~7 GB (two runs'
 # local copies 3.8 + MinIO 3.1, four faults); the main job ~3 GiB (keep_local 2 in two places
 # + MinIO's copies + one pin). MinIO's own reserve (:func:`minio_reserve`) comes on top.
-NEEDED_FREE = {"test": 7 * GIB, "demo": 5 * GIB, "chaos": 7 * GIB}
+NEEDED_FREE = {"test": 7 * GIB, "train": 5 * GIB, "chaos": 7 * GIB}
 # MinIO refuses a write (XMinioStorageFull) unless the drive has twice the object's size free
 # and more than 1 % of the drive stays free after it (minio cmd/object-api-utils.go
 # ``hasSpaceFor``: ``size *= 2``, ``diskFillFraction = 0.99``); spanrl's largest object is one

@@ -2,11 +2,17 @@
 `make demo` starts it (spanrl.infra.stack.Stack); `make test` brings it up before pytest."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
 from spanrl.core.settings import get_settings
+
+# The trainers the tests build (and the test stack's, `spanrl test`) run recipe ``plain``, every
+# learning option off: the tests check mechanics, each option is tested on its own, and the
+# default recipe's values are checked as TrainerConfig's defaults (tests/unit/test_recipes.py)
+os.environ.setdefault("SPANRL_RECIPE", "plain")
 
 _REPORTS = pytest.StashKey[dict]()
 

@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from spanrl.core import heap
 from spanrl.core import settings as env
 from spanrl.core.edge import service_credentials
 from spanrl.core.partitions import topic_partitions
+from spanrl.core.recipes import differences, recipe_fields
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
 from spanrl.trainer import batching, checkpoint, deepspeed_patches, lora, losses, ranks, staleness, tracking, tree_pack
 from spanrl.trainer.prefix_merge import BREAK_CAUSES, collate_rows, merge_calls
@@ -422,6 +424,41 @@ def sample_key(sample: dict) -> tuple:
         h.update(len(ids).to_bytes(4, "little"))
         h.update(b"".join(int(x).to_bytes(4, "little", signed=True) for x in ids))
     return t.get("task_id", ""), h.hexdigest()
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """What one update reads of the trainer's settings, passed whole to :func:`train_update`
+    (``**asdict(update)``): the :class:`TrainerConfig` fields of the same names, made by
+    :meth:`of` only, so the trainer and a benchmark that trains "as the trainer does" cannot map
+    them differently. ``ratio_cap`` is the dual-clip cap when stale samples are kept, else None."""
+
+    algorithm: str
+    singleton_advantage: str
+    clip_eps: float
+    loss_agg: str
+    advantage_std_scale: bool
+    drop_zero_variance: bool
+    negative_advantage_weight: float
+    prefix_tree_advantage: bool
+    prefix_merge: bool
+    tree_packing: bool
+    kl_coef: float
+    mini_batches: int
+    ppo_epochs: int
+    micro_batch: int
+    micro_batch_tokens: int
+    logprob_chunk: int
+    ratio_cap: float | None
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig, *, stale_kept: bool = False, **over) -> "UpdateConfig":
+        """``cfg``'s values (``ratio_cap`` only with ``stale_kept``: ``stale_policy=keep`` and
+        stale samples in the update), ``over`` replacing some (a benchmark's variant).
+        Example: ``UpdateConfig.of(TrainerConfig(), tree_packing=True).tree_packing is True``."""
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)}
+        values["ratio_cap"] = cfg.ratio_cap if stale_kept else None
+        return cls(**{**values, **over})
 
 
 def train_update(engine, samples: list[dict], *, clip_eps: float = 0.2, micro_batch: int = 8, ppo_epochs: int = 1,
@@ -835,7 +872,11 @@ class TrainerState:
     last_checkpoint: str | None = None
     pending_checkpoint: str | None = None  # saved, upload/announce not finished yet
     retries: int = 0  # retried MinIO/Kafka operations since start
-    batching: str = "stream"
+    batching: str = ""  # SPANRL_TRAINER_BATCHING, set at start
+    #: the recipe this trainer runs (spanrl/core/recipes.py): its ``name`` (SPANRL_RECIPE; none:
+    #: ``default``, TrainerConfig's own defaults), the trainer's ``values`` of every field a recipe
+    #: sets, and where they ``differ`` from the recipe (``recipes.differences``: the environment's)
+    recipe: dict = field(default_factory=dict)
     #: data-parallel ranks of this trainer (SPANRL_TRAINER_RANKS) and whether an update is running now
     ranks: int = 1
     in_update: bool = False
@@ -902,6 +943,14 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
 BATCHING_MODES = ("stream", "barrier", "groups")
 
 
+def recipe_report(cfg: TrainerConfig, name: str) -> dict:
+    """What a trainer reports of its recipe (``TrainerState.recipe``, ``GET /status``, a run's
+    summary): ``{"name", "values": {field: cfg's value} for every field a recipe sets,
+    "differs": recipes.differences(values, name)}``."""
+    values = {k: getattr(cfg, k) for k in recipe_fields()}
+    return {"name": name, "values": values, "differs": differences(values, name)}
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, settings=None):
         self.cfg = cfg
@@ -946,6 +995,7 @@ class Trainer:
         #: the LoRA adapter trained (lora.lora_spec; None: full fine-tuning)
         self.adapter = lora.lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
         self.state.batching = cfg.batching
+        self.state.recipe = recipe_report(cfg, self.settings.recipe or "default")
         self.state.prefix_merge["enabled"] = cfg.prefix_merge
         self.ref_model = None  # the reference policy (base weights) when kl_coef > 0: a model or lora.AdapterDisabled
         self._train_until: dict[int, int] = {}  # barrier batching: partition -> next offset to train up to
@@ -1406,20 +1456,8 @@ class Trainer:
         samples, lags, kept = await self._bound_staleness(head)
         trained_version = self.state.version
         if samples:
-            options = dict(
-                clip_eps=self.cfg.clip_eps, micro_batch=self.cfg.micro_batch,
-                micro_batch_tokens=self.cfg.micro_batch_tokens,
-                ppo_epochs=self.cfg.ppo_epochs, pad_token_id=pad_id, algorithm=self.cfg.algorithm,
-                singleton_advantage=self.cfg.singleton_advantage,
-                kl_coef=self.cfg.kl_coef, loss_agg=self.cfg.loss_agg,
-                ratio_cap=self.cfg.ratio_cap if kept else None,
-                advantage_std_scale=self.cfg.advantage_std_scale,
-                drop_zero_variance=self.cfg.drop_zero_variance,
-                negative_advantage_weight=self.cfg.negative_advantage_weight,
-                prefix_tree_advantage=self.cfg.prefix_tree_advantage, prefix_merge=self.cfg.prefix_merge,
-                tree_packing=self.cfg.tree_packing,
-                mini_batches=self.cfg.mini_batches, logprob_chunk=self.cfg.logprob_chunk,
-                temperature=self.settings.rollout_temperature)
+            options = dict(**asdict(UpdateConfig.of(self.cfg, stale_kept=kept)), pad_token_id=pad_id,
+                           temperature=self.settings.rollout_temperature)
             if self.channel is not None:  # the batch is fixed now; every rank trains its share of it
                 self.channel.send({"op": "update", "samples": samples, "options": options})
             # returns once every rank has stepped (train_update's last collective)

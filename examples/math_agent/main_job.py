@@ -36,29 +36,28 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
-from spanrl.core.recipes import recipe_env
-from spanrl.core.settings import Settings, env_value, env_with_prefix, get_settings
+from spanrl.core.settings import Settings, TrainerConfig, env_with_prefix, get_settings
 from spanrl.infra.admin import admin_headers, request_training
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
 
 
-#: trainer settings of the default run (``SPANRL_TRAINER_*``; the stack's trainer reads them
-#: at start-up, so they apply when the demo starts the stack; an environment value wins): the
-#: ``default`` recipe, spanrl/core/recipes.py (each value with the study that chose it: study 11,
-#: docs/measured/learning.md). Updates are cut per iteration (barrier), not by idle time, so a run seed repeats
-#: the run.
-DEMO_TRAINER_ENV = recipe_env("default")
+#: what the main job adds to its trainer's settings when it starts the stack (an environment value
+#: wins): it drives the trainer, one update per iteration on exactly that iteration's samples
+#: (barrier batching, ``POST /admin/train``), so a run seed repeats the run. Every other setting is
+#: the recipe's: TrainerConfig's own defaults are recipe ``default`` (spanrl/core/recipes.py), or
+#: the recipe ``SPANRL_RECIPE`` / ``--recipe`` names.
+DRIVER_TRAINER_ENV = TrainerConfig.env(batching="barrier")
 
 
 def demo_trainer_env(model_env: dict[str, str], recipe: str | None = None) -> dict[str, str]:
-    """The trainer settings a demo or study applies (each unless the environment sets it): the
-    recipe ``recipe`` whole when one is chosen (``SPANRL_RECIPE``, ``--recipe``), else
-    :data:`DEMO_TRAINER_ENV` with the agent's per-model settings ``model_env`` over it
-    (``AgentSpec.demo_plan``'s ``trainer_env``). Example: ``demo_trainer_env({}, "qwen05b-lora")``
-    is ``recipe_env("qwen05b-lora")``: the default recipe's nine values with lr 5e-5 and LoRA r16."""
-    return recipe_env(recipe) if recipe else {**DEMO_TRAINER_ENV, **model_env}
+    """The trainer settings a run of the main job applies (each unless the environment sets it):
+    :data:`DRIVER_TRAINER_ENV`, and the agent's per-model settings ``model_env``
+    (``AgentSpec.demo_plan``'s ``trainer_env``) unless a recipe is chosen (``SPANRL_RECIPE``,
+    ``--recipe``: the trainer reads it whole). Example: ``demo_trainer_env({"SPANRL_TRAINER_LR": "5e-5"})``
+    is ``{"SPANRL_TRAINER_BATCHING": "barrier", "SPANRL_TRAINER_LR": "5e-5"}``."""
+    return {**DRIVER_TRAINER_ENV, **({} if recipe else model_env)}
 
 
 @dataclass
@@ -595,6 +594,7 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
                 merge_reports(base_ood[mode], _heldout_eval(cfg, s, final_spec, mode, console, ood=True))
             write_report(ood_reports[mode], out, f"ood-{mode}", s)
     spec = load_agent_spec(cfg.agent)
+    trainer_status = _trainer_status(s)
     kinds = {t["task_id"]: spec.kind_of(t) for t in heldout_set} if modes else {}
     agents_total: dict[str, dict[str, int]] = {}
     for r in results:
@@ -610,8 +610,9 @@ def run_main_job(cfg: MainJobConfig, settings: Settings | None = None, console: 
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "seed": s.seed,
         "rollout_temperature": s.rollout_temperature,  # SPANRL_ROLLOUT_TEMPERATURE (None: the agent's own)
-        "trainer_env": {k: env_value(k, v) for k, v in DEMO_TRAINER_ENV.items()},
-        "recipe": s.recipe or None,  # SPANRL_RECIPE (spanrl/core/recipes.py): None, DEMO_TRAINER_ENV's
+        "recipe": s.recipe or "default",  # SPANRL_RECIPE (spanrl/core/recipes.py); unset: default
+        # the stack's trainer's report of its recipe: its values and where they differ from it
+        "trainer_recipe": trainer_status.get("recipe", {}),
         "trainer_settings": env_with_prefix("SPANRL_TRAINER_"),
         "trainer_updates": _trainer_updates(s),
         "iterations": [{k: v for k, v in asdict(r).items()} for r in results],

@@ -2,15 +2,15 @@
 
 A recipe names :class:`~spanrl.core.settings.TrainerConfig` fields and their values, over the
 recipe it is ``based_on`` (TRL's and nanoGPT's configs as plain data). ``default`` is the
-setting measured in docs/measured/learning.md (study 11 in three seeds, 2026-12-05), what
-``make demo`` and ``spanrl study`` train with; the 0.5B LoRA recipes are the SQL, math and RAG
-agents' demos with qwen2.5-coder-0.5b (issue 19).
+setting measured in docs/measured/learning.md (study 11 in three seeds, 2026-12-05) and *is*
+TrainerConfig's defaults: those fields' declared defaults are read from :data:`DEFAULT` (one
+place), so ``make up``, a runner and a production agent train with it; ``spanrl train`` (and
+``make demo``) too, its main job asking for one update per iteration (barrier batching). The
+0.5B LoRA recipes are the SQL, math and RAG agents' demos with qwen2.5-coder-0.5b (issue 19);
+``plain`` turns every learning option off (the suite's plumbing tests).
 
-Selecting one: ``SPANRL_RECIPE=name`` (or ``spanrl demo --recipe name``) makes its values the
+Selecting one: ``SPANRL_RECIPE=name`` (or ``spanrl train --recipe name``) makes its values the
 trainer's, below the environment: a ``SPANRL_TRAINER_*`` variable still wins field by field.
-Unset, the trainer keeps :class:`TrainerConfig`'s own defaults (stream batching: what ``make
-up`` and the integration tests run; ``default``'s barrier batching waits for a driver's ``POST
-/admin/train``).
 
 Example::
 
@@ -63,9 +63,13 @@ DEFAULT = Recipe(
         "lr": Measured(1e-5, f"{_STUDY_11}; lr 5e-5 x 2 steps (study 3) learned as much but made those completions "
                              "less likely"),
         "loss_agg": Measured("token_mean", "study 3 (docs/measured/learning.md), kept by study 11"),
-        "batching": Measured("barrier", "one update per iteration on exactly that iteration's samples (POST "
-                                        "/admin/train): a run's batches do not depend on timing, so a run seed "
-                                        "repeats the run (spanrl study --repeat)"),
+        "batching": Measured("groups", "the driverless form of study 11's per-iteration barrier: an update is cut "
+                                       "at a count of complete GRPO groups, each group's samples in one update, from "
+                                       "the samples and their order alone, no clock and no driver (trainer/batching.py "
+                                       "`group_cut`), so a runner or a production agent gets it; the main job, which "
+                                       "drives its iterations, still asks for each update (barrier)"),
+        "update_groups": Measured(6, "the math demo's tasks per iteration in study 11: an update holds what one of "
+                                     "its iterations held"),
         "mini_batches": Measured(8, f"{_STUDY_11}: 8 optimizer steps per update, mini-batches in content order"),
         "self_imitation_updates": Measured(3, f"{_STUDY_11}: the rewarded samples of the last 3 updates trained "
                                               "again (Self-Imitation Learning, Oh et al. 2018)"),
@@ -102,14 +106,34 @@ QWEN05B_LORA_TREE = Recipe(
     },
 )
 
+_BEFORE = ("the trainer's settings before the learning work (docs/measured/learning-archive.md, runs 3-7: greedy "
+           "held-out correctness fell in 6 of 7 runs under them)")
+
+PLAIN = Recipe(
+    name="plain",
+    doc="Every learning option off (GRPO with std scaling, one optimizer step an update, stream batching): not "
+        "a recipe that learns; the suite's own trainers run it to test plumbing with the fewest moving parts.",
+    fields={
+        "lr": Measured(1e-5, _BEFORE),
+        "loss_agg": Measured("token_mean", _BEFORE),
+        "batching": Measured("stream", f"{_BEFORE}: an update at min_batch samples or after idle_flush_s"),
+        "mini_batches": Measured(1, _BEFORE),
+        "self_imitation_updates": Measured(0, _BEFORE),
+        "self_imitation_weight": Measured(1.0, _BEFORE),
+        "kl_coef": Measured(0.0, f"{_BEFORE}: no reference model loaded"),
+        "advantage_std_scale": Measured(True, _BEFORE),
+        "drop_zero_variance": Measured(False, _BEFORE),
+    },
+)
+
 #: every recipe by name
-RECIPES: dict[str, Recipe] = {r.name: r for r in (DEFAULT, QWEN05B_LORA, QWEN05B_LORA_TREE)}
+RECIPES: dict[str, Recipe] = {r.name: r for r in (DEFAULT, QWEN05B_LORA, QWEN05B_LORA_TREE, PLAIN)}
 
 
 def get_recipe(name: str) -> Recipe:
     """The recipe ``name``; ValueError naming the known ones.
 
-    Example: ``get_recipe("default").fields["batching"].value == "barrier"``."""
+    Example: ``get_recipe("default").fields["batching"].value == "groups"``."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
     return RECIPES[name]
@@ -159,6 +183,21 @@ def recipe_env(name: str, over: str | None = None) -> dict[str, str]:
     from spanrl.core.settings import TrainerConfig
 
     return TrainerConfig.env(**{k: env_text(v) for k, v in recipe_values(name, over).items()})
+
+
+def recipe_fields() -> list[str]:
+    """Every TrainerConfig field some recipe sets, sorted: what a trainer reports of its recipe."""
+    return sorted({k for recipe in RECIPES.values() for k in recipe.fields})
+
+
+def differences(values: Mapping[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    """The fields of recipe ``name`` (with its bases) whose value in ``values`` is another:
+    ``{field: {"recipe": its value, "actual": the value in values}}``; a field ``values`` lacks
+    counts as different (``actual`` None).
+
+    Example: ``differences({**recipe_values("default"), "batching": "barrier"}, "default")`` is
+    ``{"batching": {"recipe": "groups", "actual": "barrier"}}``."""
+    return {k: {"recipe": v, "actual": values.get(k)} for k, v in recipe_values(name).items() if values.get(k) != v}
 
 
 def describe(name: str) -> list[dict[str, Any]]:

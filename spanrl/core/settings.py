@@ -74,6 +74,17 @@ def _topic(name: str):
     return default
 
 
+def recipe_setting(field_name: str, doc: str = "", **kw) -> Any:
+    """A :class:`TrainerConfig` setting whose default is recipe ``default``'s value of it
+    (spanrl/core/recipes.py ``DEFAULT``, each value with the study that measured it: the one
+    place it is written); the settings reference marks it ``(recipe default)``."""
+    from spanrl.core.recipes import DEFAULT
+
+    made = setting(DEFAULT.fields[field_name].value, doc, **kw)
+    made.json_schema_extra["recipe"] = "default"
+    return made
+
+
 def setting(default: Any = ..., doc: str = "", *, unit: str = "", readers: str, shown: str | None = None,
             default_factory=None) -> Any:
     """One declared setting: its default (or ``default_factory``), what it means (``doc``),
@@ -265,9 +276,10 @@ class Settings(Section):
                                "rollout's index in its group, the attempt and the call (producers/seeding.py); "
                                "the trainer's torch seed defaults to it. `none` (or empty): unseeded sampling",
                                readers="runner, trainer, main job")
-    recipe: str = setting("", "a named trainer recipe (spanrl/core/recipes.py: `default` is the measured one, "
-                          "`qwen05b-lora`, `qwen05b-lora-tree`): its values are the trainer's defaults, a "
-                          "`SPANRL_TRAINER_*` variable still wins field by field; empty: `TrainerConfig`'s own",
+    recipe: str = setting("", "a named trainer recipe (spanrl/core/recipes.py: `default`, the measured one, "
+                          "is TrainerConfig's own defaults; `qwen05b-lora`, `qwen05b-lora-tree`, `plain`): its "
+                          "values are the trainer's, a `SPANRL_TRAINER_*` variable still wins field by field; "
+                          "empty: `default`",
                           readers="trainer, demo, study")
     vllm_tool_call_parser: str | None = setting(None, "vLLM's `--tool-call-parser` (with "
                                                 "`--enable-auto-tool-choice`); empty: no parser (`tools` get 400)",
@@ -698,28 +710,33 @@ class TrainerConfig(Section):
                              readers="trainer")
     singleton_advantage: str = setting("batch", "grpo, a sample of a group of one: `batch` = the REINFORCE++ batch "
                                        "baseline, `zero` = GRPO's 0 (such samples do not train)", readers="trainer")
-    lr: float = setting(1e-5, "learning rate", readers="trainer")
+    lr: float = recipe_setting("lr", "learning rate", readers="trainer")
     weight_decay: float = setting(0.0, "AdamW weight decay", readers="trainer")
     clip_eps: float = setting(0.2, "PPO clip range", readers="trainer")
-    loss_agg: str = setting("token_mean", "how tokens are weighed in the loss: token_mean | sequence_mean | "
-                            "per_rollout_mean (losses.sequence_loss_weights)", readers="trainer")
-    advantage_std_scale: bool = setting(True, "grpo: divide the group baseline's residual by the group's std (GRPO); "
-                                        "false: Dr. GRPO's `R - group_mean`", readers="trainer")
-    drop_zero_variance: bool = setting(False, "leave out samples of groups whose rollouts all got the same return "
-                                       "(DAPO's dynamic-sampling filter)", readers="trainer")
+    loss_agg: str = recipe_setting("loss_agg", "how tokens are weighed in the loss: token_mean | sequence_mean | "
+                                   "per_rollout_mean (losses.sequence_loss_weights)", readers="trainer")
+    advantage_std_scale: bool = recipe_setting(
+        "advantage_std_scale",
+        "grpo: divide the group baseline's residual by the group's std (GRPO); false: Dr. GRPO's "
+        "`R - group_mean`", readers="trainer")
+    drop_zero_variance: bool = recipe_setting(
+        "drop_zero_variance",
+        "leave out samples of groups whose rollouts all got the same return (DAPO's dynamic-sampling filter)",
+        readers="trainer")
     negative_advantage_weight: float = setting(1.0, "scale of negative advantages (weighted REINFORCE): 1 = the plain "
                                                "objective, 0 = positive samples only", readers="trainer")
     prefix_tree_advantage: bool = setting(False, "grpo: per-token advantages from the prefix tree of each group's "
                                           "completions of one prompt (losses.prefix_tree_advantages, TreeRL's global "
                                           "advantage)", readers="trainer")
-    self_imitation_updates: int = setting(0, "> 0: the positive-advantage samples of the last this many updates are "
-                                          "trained again in each update, against their own behaviour log-probs "
-                                          "(trainer/self_imitation.py, Self-Imitation Learning); in memory only: a "
-                                          "restarted trainer starts with none; 0: off", unit="updates",
-                                          readers="trainer")
-    self_imitation_weight: float = setting(1.0, "scale of a replayed sample's advantage (Self-Imitation Learning's "
-                                           "beta^sil): 1 = trained as its update trained it; read only when "
-                                           "self_imitation_updates > 0", readers="trainer")
+    self_imitation_updates: int = recipe_setting(
+        "self_imitation_updates",
+        "> 0: the positive-advantage samples of the last this many updates are trained again in each update, "
+        "against their own behaviour log-probs (trainer/self_imitation.py, Self-Imitation Learning); in memory "
+        "only: a restarted trainer starts with none; 0: off", unit="updates", readers="trainer")
+    self_imitation_weight: float = recipe_setting(
+        "self_imitation_weight",
+        "scale of a replayed sample's advantage (Self-Imitation Learning's beta^sil): 1 = trained as its update "
+        "trained it; read only when self_imitation_updates > 0", readers="trainer")
     self_imitation_loss: str = setting("clipped", "how replayed samples are trained: clipped (the update's PPO-clipped "
                                        "loss against their own behaviour log-probs) | sil (Self-Imitation Learning's "
                                        "unclipped -log pi * A+, losses.self_imitation_loss: no clip ends the push); "
@@ -734,16 +751,23 @@ class TrainerConfig(Section):
                                  "its own row (trainer/tree_pack.py, AReaL's tree training): the same log-probs and "
                                  "gradients with fewer tokens forwarded; micro_batch_tokens then counts packed "
                                  "tokens; needs logprob_chunk > 0", readers="trainer")
-    kl_coef: float = setting(0.0, "weight of the k3 KL to the reference policy (a frozen copy of the base weights); "
-                             "0: off, no reference model is loaded", readers="trainer")
-    mini_batches: int = setting(1, "optimizer steps per update: the update's samples in content order cut into this "
-                                "many mini-batches, one step each, every PPO epoch", readers="trainer")
-    batching: str = setting("stream", "when an update happens: `stream` (min_batch samples buffered, or idle_flush_s "
-                            "without new ones; max_batch at most), `barrier` (only on `POST /admin/train`) or "
-                            "`groups` (update_groups complete groups buffered, each group's samples in one update: "
-                            "no driver, no clock; trainer/batching.py `group_cut`)", readers="trainer")
-    update_groups: int = setting(6, "`groups` batching: complete GRPO groups per update (6: the math demo's tasks "
-                                 "an iteration)", unit="groups", readers="trainer")
+    kl_coef: float = recipe_setting(
+        "kl_coef",
+        "weight of the k3 KL to the reference policy (a frozen copy of the base weights); 0: off, no reference "
+        "model is loaded", readers="trainer")
+    mini_batches: int = recipe_setting(
+        "mini_batches",
+        "optimizer steps per update: the update's samples in content order cut into this many mini-batches, one "
+        "step each, every PPO epoch", readers="trainer")
+    batching: str = recipe_setting(
+        "batching",
+        "when an update happens: `stream` (min_batch samples buffered, or idle_flush_s without new ones; "
+        "max_batch at most), `barrier` (only on `POST /admin/train`) or `groups` (update_groups complete groups "
+        "buffered, each group's samples in one update: no driver, no clock; trainer/batching.py `group_cut`); "
+        "the main job asks for its updates (barrier) whatever this says", readers="trainer")
+    update_groups: int = recipe_setting(
+        "update_groups",
+        "`groups` batching: complete GRPO groups per update", unit="groups", readers="trainer")
     grad_clip: float = setting(1.0, "gradient clipping norm", readers="trainer")
     ppo_epochs: int = setting(1, "passes over an update's samples", readers="trainer")
     min_batch: int = setting(16, "samples that start a `stream` update", unit="samples", readers="trainer")
@@ -967,6 +991,10 @@ def _shown_default(section: type[Section], field: str) -> str:
     value = section.default(field)
     if value is None:
         return "unset"
+    if extra.get("recipe"):
+        from spanrl.core.recipes import env_text
+
+        return f"`{env_text(value)}` (recipe `{extra['recipe']}`)"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, str):

@@ -73,4 +73,4 @@ def test_the_trainer_knows_the_mode_and_reads_on_in_it():
     assert fetch_limit("groups", 5000, 16, 64) == 1000  # the buffer must reach the end of the groups
     cfg = TrainerConfig.from_environ({"SPANRL_TRAINER_BATCHING": "groups", "SPANRL_TRAINER_UPDATE_GROUPS": "4"})
     assert (cfg.batching, cfg.update_groups) == ("groups", 4)
-    assert TrainerConfig.from_environ({}).batching == "stream"  # not the default
+    assert TrainerConfig.from_environ({}).batching == "groups"  # the default (recipe default): no driver needed

@@ -288,7 +288,8 @@ def test_demo_runs_the_plan_under_the_command_lines_options(monkeypatch):
 
     seen: dict = {}
     stackless_demo(monkeypatch, seen, ("SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAINER_LR", "SPANRL_TRAINER_KL_COEF"),
-                   forget={*main_job.DEMO_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS"})
+                   forget={*main_job.DRIVER_TRAINER_ENV, "SPANRL_TRAINER_LORA_RANK", "SPANRL_TRAIN_AGENTS",
+                           "SPANRL_RECIPE"})
     monkeypatch.setenv("SPANRL_MODEL", "qwen2.5-coder-0.5b")
     monkeypatch.setenv("SPANRL_TRAINER_LR", "2e-5")  # the environment wins over the plan
     get_settings.cache_clear()
@@ -299,8 +300,9 @@ def test_demo_runs_the_plan_under_the_command_lines_options(monkeypatch):
         assert (cfg.iterations, cfg.tasks_per_iteration, cfg.group_size, cfg.heldout_tasks) == (5, 3, 4, 200)
         assert (cfg.heldout_modes, cfg.logprob_shift, cfg.rollout_timeout_s, cfg.stage_timeout_s) == (
             ("greedy",), False, 600.0, 2400.0)
+        # the recipe's values are TrainerConfig's defaults: nothing to set (KL 0.2 without a variable)
         assert seen["env"] == {"SPANRL_TRAINER_LORA_RANK": "16", "SPANRL_TRAINER_LR": "2e-5",
-                               "SPANRL_TRAINER_KL_COEF": "0.2"}
+                               "SPANRL_TRAINER_KL_COEF": None}
         r = CliRunner().invoke(cli.app, ["demo", "--agent", "sql", "--heldout-modes", "sampled,greedy",
                                          "--logprob-shift"])
         assert r.exit_code == 0, r.output

@@ -56,15 +56,14 @@ def test_declared_names_and_other_variables_pass():
 
 
 def test_the_example_and_chaos_overrides_are_all_declared():
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV
+    from examples.math_agent.main_job import DRIVER_TRAINER_ENV
     from spanrl.infra.chaos import CHAOS_ENV
 
-    check_environment(DEMO_TRAINER_ENV)
+    check_environment(DRIVER_TRAINER_ENV)
     check_environment(CHAOS_ENV)
 
 
 def test_overrides_are_built_from_field_names_and_checked():
-    from examples.math_agent.main_job import DEMO_TRAINER_ENV
     from spanrl.infra.chaos import CHAOS_ENV
 
     assert TrainerConfig.env(lr="5e-5", http=False, max_updates=3) == {
@@ -77,14 +76,10 @@ def test_overrides_are_built_from_field_names_and_checked():
     with pytest.raises(ValueError, match="None cannot be written"):
         TrainerConfig.env(max_updates=None)
     # today's values, as the dicts were written by hand before
-    assert DEMO_TRAINER_ENV == {
-        "SPANRL_TRAINER_LR": "1e-5", "SPANRL_TRAINER_LOSS_AGG": "token_mean", "SPANRL_TRAINER_BATCHING": "barrier",
-        "SPANRL_TRAINER_MINI_BATCHES": "8", "SPANRL_TRAINER_SELF_IMITATION_UPDATES": "3",
-        "SPANRL_TRAINER_SELF_IMITATION_WEIGHT": "4", "SPANRL_TRAINER_KL_COEF": "0.2",
-        "SPANRL_TRAINER_ADVANTAGE_STD_SCALE": "false", "SPANRL_TRAINER_DROP_ZERO_VARIANCE": "true"}
     assert CHAOS_ENV == {
         "SPANRL_REWARD_TIMEOUT_S": "15", "SPANRL_ROLLOUT_TIMEOUT_S": "30", "SPANRL_GROUP_TIMEOUT_S": "30",
-        "SPANRL_REWARD_WINDOW_S": "25", "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_MIN_BATCH": "12",
+        "SPANRL_REWARD_WINDOW_S": "25", "SPANRL_SETTLE_S": "2", "SPANRL_TRAINER_BATCHING": "stream",
+        "SPANRL_TRAINER_MIN_BATCH": "12",
         "SPANRL_TRAINER_IDLE_FLUSH_S": "5", "SPANRL_TRAINER_CHECKPOINT_EVERY": "1",
         "SPANRL_TRAINER_KEEP_PUBLISHED": "4", "SPANRL_STREAM_SESSION_TIMEOUT_S": "10"}
 
@@ -203,9 +198,11 @@ def test_trainer_defaults():
     assert TrainerConfig.from_environ({}).model_dump() == {
         'run': None, 'base_dir': None, 'samples_topic': 'samples', 'checkpoints_topic': 'checkpoints',
         'algorithm': 'grpo', 'singleton_advantage': 'batch', 'lr': 1e-05, 'weight_decay': 0.0, 'clip_eps': 0.2,
-        'loss_agg': 'token_mean', 'advantage_std_scale': True, 'drop_zero_variance': False,
+        # the recipe `default` (spanrl/core/recipes.py): Dr. GRPO, zero-variance groups dropped,
+        # self-imitation 3 x 4, k3 KL 0.2, 8 mini-batches, groups batching of 6 groups
+        'loss_agg': 'token_mean', 'advantage_std_scale': False, 'drop_zero_variance': True,
         'negative_advantage_weight': 1.0, 'prefix_tree_advantage': False,
-        'self_imitation_updates': 0, 'self_imitation_weight': 1.0, 'self_imitation_loss': 'clipped', 'prefix_merge': True, 'tree_packing': False, 'kl_coef': 0.0, 'mini_batches': 1, 'batching': 'stream', 'update_groups': 6,
+        'self_imitation_updates': 3, 'self_imitation_weight': 4.0, 'self_imitation_loss': 'clipped', 'prefix_merge': True, 'tree_packing': False, 'kl_coef': 0.2, 'mini_batches': 8, 'batching': 'groups', 'update_groups': 6,
         'grad_clip': 1.0, 'ppo_epochs': 1, 'min_batch': 16, 'max_batch': 64, 'idle_flush_s': 10.0,
         'ranks': 1, 'zero_stage': 0, 'micro_batch': 8, 'micro_batch_tokens': 2048, 'activation_checkpointing': True, 'lora_rank': 0,
         'lora_alpha': 32.0, 'lora_dropout': 0.0,
