@@ -249,3 +249,17 @@ def test_an_anthropic_clients_x_api_key_is_a_bearer_token():
         both = c.get("/status", headers={"x-api-key": AGENT, "Authorization": "Bearer not-a-token"})
     assert answers[0].status_code not in (401, 403) and answers[1].status_code == 401
     assert (admin_route.status_code, both.status_code) == (403, 401)  # Authorization, when sent, is what counts
+
+
+def test_a_chunked_body_growing_past_the_limit_is_refused_before_it_is_read_whole():
+    sink, apps = _producers(max_body_bytes=1000)
+
+    def chunks():  # no Content-Length: the proxy counts what it reads
+        for _ in range(50):
+            yield b" " * 100
+
+    with TestClient(apps["proxy"]) as c:
+        r = c.post("/rollouts/r/attempts/0/v1/chat/completions", content=chunks(),
+                   headers={"content-type": "application/json", **WHO["agent"]})
+    assert (r.status_code, r.json()["error"]["type"]) == (413, "body_too_large")
+    assert "content-length" not in r.request.headers and sink.sent == []
