@@ -32,7 +32,7 @@ from pathlib import Path
 
 from spanrl.core.settings import child_env
 from spanrl.infra.stack import stop_process_group as stop
-from bench.workload import (Shape, export_ok, exporter, proc_cpu_s, proc_peak_rss_mb, reward_of,
+from bench.workload import (Shape, agent_headers, export_ok, exporter, proc_cpu_s, proc_peak_rss_mb, reward_of,
                             rollout_spans)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +263,7 @@ class SpanrlSide:
         consumer = asyncio.create_task(self.consume(stop_evt))
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
         await producer.start()
-        exp = exporter(f"http://127.0.0.1:{self.bridge_port}/v1/traces")
+        exp = exporter(f"http://127.0.0.1:{self.bridge_port}/v1/traces", agent_headers())
         out: dict = {"params": {"rollouts": a.rollouts, "runs": a.runs, "batch_rollouts": a.batch_rollouts,
                                 "settle_s": a.settle_s, "tick_s": a.tick_s, "commit_interval_s": a.commit_interval_s, "topics": self.prefix + "*"},
                      "runs": []}

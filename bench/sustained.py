@@ -44,7 +44,7 @@ from pathlib import Path
 
 from bench import metrics as M
 from bench.run import RESULTS, REPO, SpanrlSide, free_port, machine_info, start_agl_store, stop, wait_http
-from bench.workload import RolloutPool, Shape, export_ok, exporter
+from bench.workload import RolloutPool, Shape, agent_headers, export_ok, exporter
 
 
 # ---- logging: rich progress on a TTY, plain lines in the log file (and stdout when not a TTY) ---
@@ -312,7 +312,7 @@ class SpanrlSustained(SpanrlSide):
         await producer.start()
         # feeder j (one exporter each) sends batches k = j mod F to bridge j mod B
         n_feed = exporters_for(a, self.n_bridges)
-        exps = [exporter(f"http://127.0.0.1:{self.bridge_ports[j % self.n_bridges]}/v1/traces")
+        exps = [exporter(f"http://127.0.0.1:{self.bridge_ports[j % self.n_bridges]}/v1/traces", agent_headers())
                 for j in range(n_feed)]
         out: dict = {"workers": self.n_workers, "bridges": self.n_bridges, "topics": self.prefix + "*"}
         try:

@@ -88,11 +88,20 @@ def reward_of(i: int) -> float:
     return float(i % 2)
 
 
-def exporter(endpoint: str):
-    """The standard OTLP/HTTP protobuf exporter (uncompressed, like the SDK's default)."""
+def exporter(endpoint: str, headers: dict[str, str] | None = None):
+    """The standard OTLP/HTTP protobuf exporter (uncompressed, like the SDK's default);
+    ``headers``: spanrl's bridge wants the agent token (:func:`agent_headers`)."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter(endpoint=endpoint, timeout=30)
+    return OTLPSpanExporter(endpoint=endpoint, timeout=30, headers=headers)
+
+
+def agent_headers() -> dict[str, str]:
+    """The stack's agent token as a bearer header (the variable, else the state directory)."""
+    from spanrl.core.edge import bearer_headers
+    from spanrl.core.settings import get_settings
+
+    return bearer_headers(get_settings().auth_token)
 
 
 def export_ok(exp, spans: list[ReadableSpan]) -> None:

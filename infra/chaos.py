@@ -44,7 +44,7 @@ import httpx
 from spanrl.core.settings import (CLUSTER_LAYOUT, Settings, StreamSettings, TrainerConfig, check_environment, child_env, get_settings,
                                   set_env, update_env)
 from spanrl.infra import ledger, storage
-from spanrl.infra.admin import request_training
+from spanrl.infra.admin import admin_headers, request_training
 from spanrl.infra.chaos_workload import AckLog
 from spanrl.infra.replay import end_offsets, read_records
 from spanrl.infra.stack import ROOT, Stack, kafka_node_names, replica_names, stop_process_group
@@ -289,7 +289,7 @@ def heal(stack: Stack, unhealthy_grace_s: float = 120.0) -> list[str]:
 
 def _get_json(url: str) -> dict:
     try:
-        return httpx.get(url, timeout=5).json()
+        return httpx.get(url, timeout=5, headers=admin_headers(get_settings())).json()
     except (httpx.HTTPError, ValueError):
         return {}
 

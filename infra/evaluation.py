@@ -168,7 +168,7 @@ def _post(url: str, body: dict, s: Settings, timeout: float = 900.0) -> dict:
     from spanrl.core.edge import bearer_headers
 
     try:
-        r = httpx.post(url, json=body, timeout=timeout, headers=bearer_headers(s.auth_token))
+        r = httpx.post(url, json=body, timeout=timeout, headers=bearer_headers(s.admin_token))  # /admin/* routes
     except httpx.HTTPError as exc:
         raise EvalError(f"{url} unreachable ({exc!r}): is the stack up? (spanrl stack up)") from exc
     try:

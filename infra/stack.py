@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+from pydantic import SecretStr
 
 from spanrl.core import shm
 from spanrl.core.settings import (PROCESSED_LOGPROBS, STACK_TRAINER_START, Settings, StackSettings,
@@ -106,6 +107,7 @@ class Stack:
         self.shm = self.state / "shm"
         self.python = sys.executable
         self.components = self._components()
+        self._credentials_checked = False
 
     # --- component table -----------------------------------------------------------
     def service_env(self) -> dict[str, str]:
@@ -291,6 +293,7 @@ class Stack:
         Raises StackError (with the tail of its log) if it exits or stays unhealthy.
         """
         comp = self.components[name]
+        self.ensure_credentials()
         if self.running(name):
             self._wait_healthy(name, None)
             if comp.after_start:  # idempotent set-up (missing topics, buckets): a stack started
@@ -405,6 +408,32 @@ class Stack:
             if progress:
                 progress(name)
             self.start(name)
+
+    def ensure_credentials(self) -> list[str]:
+        """Before the first component starts: with auth on, make the secrets the state directory
+        lacks (spanrl/core/credentials.py; the agent and administrator tokens printed once, when
+        made) and give them to this process's settings; open: say so. Returns the names made."""
+        from spanrl.core import credentials
+
+        if self._credentials_checked:
+            return []
+        self._credentials_checked = True
+        if self.s.auth == "open":
+            print("*** SPANRL_AUTH=open: the stack checks no credential; anyone who reaches "
+                  f"{self.s.host} may use and train the model (a laptop demo only) ***", file=sys.stderr)
+            return []
+        made = credentials.ensure_secrets(self.state)
+        for field, name in (("auth_token", credentials.AGENT_TOKEN), ("admin_token", credentials.ADMIN_TOKEN)):
+            if getattr(self.s, field) is None:  # the settings were read before the secrets existed
+                setattr(self.s, field, SecretStr(credentials.read_secret(self.state, name) or ""))
+        if made:
+            lines = [f"  {name}: {credentials.read_secret(self.state, name)}" for name in made
+                     if name != credentials.CHECKPOINT_KEY]
+            print(f"spanrl: made the stack's secrets in {credentials.secrets_dir(self.state)} (mode 0600; the tokens "
+                  "are shown this once):", *lines,
+                  "  clients on this machine read them from there (docs/operations.md, Credentials)",
+                  sep="\n", file=sys.stderr)
+        return made
 
     def down(self, names: list[str] | None = None) -> None:
         """Stop ``names`` (default: all) in reverse dependency order."""

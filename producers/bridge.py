@@ -20,7 +20,10 @@ to the rollout of a proxy call of the same trace, or dead-letters it ``no_rollou
 rollout a trace belongs to, since the proxy sees the call, and its record is in Kafka. Records
 waiting for acks are bounded (``SPANRL_BRIDGE_MAX_INFLIGHT_BYTES``): a request that would
 go over is answered 503 ``buffer_full`` + Retry-After at once, before anything is sent.
-With ``SPANRL_AUTH_TOKEN`` set, every route but ``GET /health`` needs the bearer token.
+With auth on (the default), every route but ``GET /health`` needs the agent or the
+administrator token (spanrl/core/edge.py); a reward for a rollout may be posted by the agent
+credential that made its calls or by the administrator (late human ratings; with one agent
+token every agent holds the same credential, docs/operations.md).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from spanrl.core import claims, ids, production
 from spanrl.core import metrics as prom
-from spanrl.core.edge import BadRequest
+from spanrl.core.edge import BadRequest, Credentials
 from spanrl.core.settings import ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import edge, otlp_grpc
 from spanrl.producers.kafka import KafkaUnavailable, Sink, Topics, now_ms
@@ -151,11 +154,12 @@ def _dead_letter(c: Converted, stage: str = "bridge") -> dict:
             "task_id": None, "payload": c.raw, "timestamp_ms": now_ms()}
 
 
-def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: SecretStr | str | None = None,
+def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, credentials: Credentials | SecretStr | str | None = None,
                max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT, claim_client=None,
                payload_bucket: str | None = None, eval_topics: Topics | None = None,
                grpc_address: str | None = None) -> FastAPI:
-    """The bridge app writing through ``sink``; ``auth_token`` (None: open) see producers/edge.py.
+    """The bridge app writing through ``sink``; ``credentials`` (None: open; spanrl/core/edge.py
+    ``Credentials``, or one token for both roles) see producers/edge.py.
     ``grpc_address``: ``host:port`` of the OTLP/gRPC receiver the app starts in its lifespan
     (producers/otlp_grpc.py; port 0: a free one, in ``app.state.grpc_port``); None: none.
     ``eval_topics``: where spans stamped ``spanrl.record_to=eval`` (evaluation episodes) and
@@ -180,7 +184,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
             log.warning("%s", exc)
         server = None
         if grpc_address is not None:  # an address that cannot be bound stops the start-up
-            server, app.state.grpc_port = await otlp_grpc.start(grpc_address, grpc_export, metrics, auth_token,
+            server, app.state.grpc_port = await otlp_grpc.start(grpc_address, grpc_export, metrics, credentials,
                                                                 max_body_bytes)
         try:
             yield
@@ -206,7 +210,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
         detail = edge.safe_detail(detail)
         return JSONResponse({"error": reason, "detail": detail}, status, headers=headers)
 
-    edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
+    edge.install_auth(app, credentials, error)
     edge.install_error_handlers(app, error)
 
     def refused(exc: BadRequest) -> Response:
@@ -373,6 +377,7 @@ def create_app(sink: Sink, max_body_bytes: int = DEFAULT_MAX_BODY, auth_token: S
 
 
 def main(argv: list[str] | None = None) -> None:
+    from spanrl.core.edge import service_credentials
     from spanrl.core.settings import get_settings
 
     check_environment()
@@ -391,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     topics = Topics.with_prefix(a.topic_prefix) if a.topic_prefix else Topics()
     eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.max_body_bytes,
-                     auth_token=s.auth_token, max_inflight_bytes=a.max_inflight_bytes, eval_topics=eval_topics,
+                     credentials=service_credentials(s, "bridge", log), max_inflight_bytes=a.max_inflight_bytes, eval_topics=eval_topics,
                      grpc_address=f"{a.host}:{a.grpc_port}" if a.grpc_port else None)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 

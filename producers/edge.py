@@ -1,11 +1,11 @@
 """The FastAPI side of the HTTP edge the bridge and the proxy share: the bearer-token
 middleware (:class:`BearerAuth`) and error answers that are safe to send back.
 
-The rule itself (which routes are open, how a token is compared, :class:`BadRequest`) is on
-the floor, spanrl/core/edge.py, shared with the reloader, the evaluator and the dashboard:
-when a token is configured every request but ``GET /health`` must carry
-``Authorization: Bearer <token>``, else 401 with ``missing_token`` or ``invalid_token`` and
-``WWW-Authenticate: Bearer``.
+The rule itself (roles, which routes are open, how a token is compared, :class:`BadRequest`)
+is on the floor, spanrl/core/edge.py, shared with the trainer, the reloader and the
+dashboard: with auth on every request but ``GET /health`` must carry the agent or the
+administrator token (401 ``missing_token`` / ``invalid_token`` otherwise), and ``/admin/*``
+the administrator's (403 ``admin_only``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pydantic import SecretStr
 
-from spanrl.core.edge import MISSING_TOKEN, OPEN_ROUTES, check_bearer, token_value
+from spanrl.core.edge import Credentials, as_credentials, authorize, www_authenticate
 
 if TYPE_CHECKING:  # imported by the bridge and the proxy only; FastAPI is loaded when used
     from fastapi.exceptions import RequestValidationError
@@ -22,41 +22,66 @@ if TYPE_CHECKING:  # imported by the bridge and the proxy only; FastAPI is loade
 
 
 class BearerAuth:
-    """ASGI middleware: 401 unless the request carries the bearer token (see module doc).
+    """ASGI middleware: :func:`spanrl.core.edge.authorize` before the app sees the request
+    (its body unread, so a refusal writes nothing). ``reject(status, reason, detail)`` builds
+    the 401/403 body in the service's own error shape (and counts it); this class adds
+    ``WWW-Authenticate`` to a 401. Lifespan and open routes pass."""
 
-    ``reject(reason, detail)`` builds the 401 body in the service's own error shape (and
-    counts it); this class adds ``WWW-Authenticate``. Lifespan and open routes pass.
-    """
-
-    def __init__(self, app: ASGIApp, token: SecretStr | str, reject: Callable[[str, str], Response]):
-        value = token_value(token)
-        if value is None:
-            raise ValueError("BearerAuth needs a non-empty token")
-        self.app = app
-        self._token = value.encode()
-        self.reject = reject
+    def __init__(self, app: ASGIApp, credentials: Credentials, reject: Callable[[int, str, str], Response]):
+        if credentials is None:
+            raise ValueError("BearerAuth needs credentials")
+        self.app, self.credentials, self.reject = app, credentials, reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        reason = check_bearer(header, self._token)
-        if reason is None:
+        refusal = authorize(self.credentials, scope["method"], scope["path"], presented(scope["headers"]))
+        if refusal is None:
             await self.app(scope, receive, send)
             return
-        detail = ("this service needs 'Authorization: Bearer <token>' (SPANRL_AUTH_TOKEN)"
-                  if reason == MISSING_TOKEN else "the bearer token is not the one this service expects")
-        response = self.reject(reason, detail)
-        response.headers["WWW-Authenticate"] = (
-            'Bearer realm="spanrl"' if reason == MISSING_TOKEN else 'Bearer realm="spanrl", error="invalid_token"')
+        status, reason, detail = refusal
+        response = self.reject(status, reason, detail)
+        if status == 401:
+            response.headers["WWW-Authenticate"] = www_authenticate(reason)
         await response(scope, receive, send)
 
 
-def install_auth(app, token: SecretStr | str | None, reject: Callable[[str, str], Response]) -> None:
-    """Add :class:`BearerAuth` to a FastAPI ``app`` when ``token`` is set (no-op otherwise)."""
-    if token_value(token) is not None:
-        app.add_middleware(BearerAuth, token=token, reject=reject)
+def presented(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The credential a request presents, as an ``Authorization`` value: that header, else
+    ``x-api-key`` (how the Anthropic SDK sends its ``api_key``) as a bearer token."""
+    header = next((v for k, v in headers if k == b"authorization"), None)
+    if header is None:
+        key = next((v for k, v in headers if k == b"x-api-key"), None)
+        header = b"Bearer " + key if key else None
+    return header
+
+
+def install_auth(app, credentials: Credentials | SecretStr | str | None,
+                 reject: Callable[[int, str, str], Response]) -> None:
+    """Add :class:`BearerAuth` to a FastAPI ``app`` (no-op when ``credentials`` is None: open;
+    one plain token: that token for both roles, ``spanrl.core.edge.as_credentials``)."""
+    creds = as_credentials(credentials)
+    if creds is not None:
+        app.add_middleware(BearerAuth, credentials=creds, reject=reject)
+
+
+async def read_body(request, max_bytes: int) -> bytes:
+    """The body of a Starlette ``request``, at most ``max_bytes``: a larger ``Content-Length``
+    or a chunked body that grows past it raises :class:`BadRequest` 413 ``body_too_large``
+    before more is read."""
+    from spanrl.core.edge import BadRequest
+
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > max_bytes:
+        raise BadRequest(413, "body_too_large", f"body of {length} bytes over {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(413, "body_too_large", f"body over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def validation_summary(exc: RequestValidationError) -> str:

@@ -43,7 +43,7 @@ from grpc import aio
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from pydantic import SecretStr
 
-from spanrl.core.edge import MISSING_TOKEN, BadRequest, check_bearer, token_value
+from spanrl.core.edge import BadRequest, Credentials, as_credentials, authorize
 from spanrl.producers import edge
 
 log = logging.getLogger("spanrl.bridge.grpc")
@@ -105,14 +105,14 @@ def authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes |
 Export = Callable[[bytes], Awaitable[bytes]]
 
 
-def handler(export: Export, metrics: Counter, auth_token: SecretStr | str | None) -> grpc.GenericRpcHandler:
+def handler(export: Export, metrics: Counter,
+            credentials: Credentials | SecretStr | str | None) -> grpc.GenericRpcHandler:
     """The ``TraceService`` handler: ``export(body)`` (the bridge's, from the raw
     ExportTraceServiceRequest bytes to the raw response; raises
     :class:`~spanrl.core.edge.BadRequest`) behind the bearer check. Counts
     ``grpc_requests``, and per refusal its reason and ``grpc_<CODE>`` (e.g.
     ``grpc_UNAUTHENTICATED``) in ``metrics``, the bridge's counters."""
-    token = token_value(auth_token)
-    token_bytes = token.encode() if token is not None else None
+    creds = as_credentials(credentials)
 
     async def refuse(context: aio.ServicerContext, status: int, reason: str, detail: str,
                      headers: dict[str, str] | None) -> None:
@@ -126,12 +126,10 @@ def handler(export: Export, metrics: Counter, auth_token: SecretStr | str | None
 
     async def export_call(body: bytes, context: aio.ServicerContext) -> bytes:
         metrics["grpc_requests"] += 1
-        if token_bytes is not None:
-            reason = check_bearer(authorization(context.invocation_metadata()), token_bytes)
-            if reason is not None:
-                await refuse(context, 401, reason, "this service needs metadata 'authorization: Bearer <token>' "
-                             "(SPANRL_AUTH_TOKEN)" if reason == MISSING_TOKEN
-                             else "the bearer token is not the one this service expects", None)
+        # the agent's route of the bridge: the agent or the administrator token (spanrl/core/edge.py)
+        refusal = authorize(creds, "POST", "/v1/traces", authorization(context.invocation_metadata()))
+        if refusal is not None:
+            await refuse(context, *refusal, None)
         try:
             return await export(body)
         except BadRequest as exc:
@@ -143,14 +141,14 @@ def handler(export: Export, metrics: Counter, auth_token: SecretStr | str | None
         METHOD: grpc.unary_unary_rpc_method_handler(export_call, request_deserializer=None, response_serializer=None)})
 
 
-async def start(address: str, export: Export, metrics: Counter, auth_token: SecretStr | str | None,
+async def start(address: str, export: Export, metrics: Counter, credentials: Credentials | SecretStr | str | None,
                 max_body_bytes: int) -> tuple[aio.Server, int]:
     """A started ``grpc.aio`` server in the running loop on ``address`` (``host:port``; port 0:
     a free one) serving :func:`handler`, gRPC's own message bound :data:`CORE_LIMIT_FACTOR` x
     ``max_body_bytes`` (``export`` applies ``max_body_bytes`` itself); returns it and the port
     it bound. Raises OSError when the address cannot be bound (a receiver that
     is silently missing would lose every exporter's spans)."""
-    server = aio.server(handlers=[handler(export, metrics, auth_token)],
+    server = aio.server(handlers=[handler(export, metrics, credentials)],
                         options=[("grpc.max_receive_message_length", CORE_LIMIT_FACTOR * max_body_bytes),
                                  ("grpc.so_reuseport", 0)])  # a second bridge on the port fails, as HTTP's does
     try:

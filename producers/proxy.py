@@ -39,8 +39,9 @@ The policy version comes from the reloader (``POST /admin/policy_version``; at s
 restarted vLLM serves the base weights), so the proxy answers 503 ``policy_unsynced``
 until the reloader has reloaded vLLM and posts a version again (see :class:`PolicyState`).
 
-With ``SPANRL_AUTH_TOKEN`` set, every route but ``GET /health`` needs the bearer token
-(an OpenAI client sends its ``api_key`` as one).
+With auth on (the default), every route but ``GET /health`` needs a bearer token (an OpenAI
+client sends its ``api_key`` as one): the agent token for the LLM routes, ``/status`` and
+``/metrics``, the administrator token for ``/admin/*`` (spanrl/core/edge.py).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ from pydantic import BaseModel, SecretStr
 
 from spanrl.core import claims, ids, production, response_ids
 from spanrl.core import metrics as prom
-from spanrl.core.edge import BadRequest
+from spanrl.core.edge import BadRequest, Credentials, bearer_headers
 from spanrl.core.settings import PROCESSED_LOGPROBS, ProducerSettings, TopicSettings, check_environment
 from spanrl.producers import edge, seeding, streaming
 from spanrl.producers.content import recorded_content
@@ -369,12 +370,17 @@ async def ask_reloader(client: httpx.AsyncClient, reloader_url: str, policy: Pol
 
 def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int = 0,
                timeout_s: float = 600.0, reloader_url: str | None = None, follow_s: float = 1.0,
-               auth_token: SecretStr | str | None = None, claim_client=None,
+               credentials: Credentials | SecretStr | str | None = None, claim_client=None,
                payload_bucket: str | None = None, eval_topics: Topics | None = None,
-               rollout_temperature: float | None = None) -> FastAPI:
+               rollout_temperature: float | None = None, reloader_token: SecretStr | str | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
-    ``auth_token``: bearer token every route but ``GET /health`` requires (None: open).
+    ``credentials``: what every route but ``GET /health`` requires (None: open; spanrl/core/edge.py
+    ``Credentials``: the agent token for the LLM routes, the administrator's for ``/admin/*``;
+    one plain token: both). ``reloader_token``: the token the proxy sends the reloader.
+    ``max_body_bytes``: the largest request body (413 ``body_too_large``; default
+    ``SPANRL_PROXY_MAX_BODY_BYTES``).
     ``claim_client`` / ``payload_bucket``: where span records over the spans topic's limit go
     (spanrl/core/claims.py); default: MinIO and bucket of the settings.
     ``eval_topics``: where calls to the ``/eval/rollouts/...`` routes are recorded (default
@@ -389,6 +395,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         from spanrl.core.settings import get_settings
 
         payload_bucket = get_settings().payload_bucket
+    if max_body_bytes is None:
+        max_body_bytes = ProducerSettings().proxy_max_body_bytes
     claim_client = claim_client or claims.make_client()
     capture, tokenizer = call_content_settings()
     seq = SequenceCounter()
@@ -428,7 +436,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             log.warning("%s", exc)
         follower = None
         if reloader_url:
-            reloader_client = httpx.AsyncClient(timeout=8.0)  # the reloader checks vLLM (5 s) before answering
+            reloader_client = httpx.AsyncClient(timeout=8.0, headers=bearer_headers(reloader_token))  # the reloader checks vLLM (5 s) before answering
             if not await ask_reloader(reloader_client, reloader_url, policy):
                 log.warning("reloader at %s unreachable; policy version %d until it answers", reloader_url,
                             policy.version)
@@ -464,7 +472,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
             body["param"] = param
         return JSONResponse({"error": body}, status, headers=headers)
 
-    edge.install_auth(app, auth_token, lambda reason, detail: error(401, reason, detail))
+    edge.install_auth(app, credentials, error)
     edge.install_error_handlers(app, error)
 
     async def call(api: ClientApi, rollout_id: str, attempt_id: str, request: Request,
@@ -481,7 +489,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         try:
             ids.check(ids.ROLLOUT, rollout_id, "rollout_id")  # the path's ids (spanrl/core/ids.py)
             ids.check(ids.ATTEMPT, attempt_id, "attempt_id")
-            body = client_body = parse_body(request.headers.get("content-type"), await request.body())
+            body = client_body = parse_body(request.headers.get("content-type"),
+                                            await edge.read_body(request, max_body_bytes))
             if api.counter is not None:
                 metrics[api.counter] += 1
             body = api.vllm_request(client_body)
@@ -897,6 +906,7 @@ def tool_attributes(body: dict, response: dict, choice: int = 0) -> dict[str, st
 
 
 def main(argv: list[str] | None = None) -> None:
+    from spanrl.core.edge import service_credentials
     from spanrl.core.settings import get_settings
 
     check_environment()
@@ -918,7 +928,8 @@ def main(argv: list[str] | None = None) -> None:
     eval_topics = Topics.with_prefix(a.topic_prefix, Topics.evaluation()) if a.topic_prefix else None
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.vllm_url,
                      a.model_name, a.policy_version, reloader_url=a.reloader_url.rstrip("/") or None,
-                     auth_token=s.auth_token, eval_topics=eval_topics, rollout_temperature=s.rollout_temperature)
+                     credentials=service_credentials(s, "proxy", log), eval_topics=eval_topics,
+                     rollout_temperature=s.rollout_temperature, reloader_token=s.admin_token)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

@@ -19,11 +19,15 @@ import shutil
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
+from spanrl.core import credentials
 from spanrl.core.disk import tree_bytes
 
 log = logging.getLogger("spanrl.checkpoint")
 
 MANIFEST = "manifest.json"
+#: the trainer's signature of the manifest's bytes (spanrl/core/credentials.py), beside it;
+#: not listed in the manifest, uploaded before it
+SIGNATURE = "manifest.sig"
 #: the release gate's decision, written beside a manifest (trainer/gate.py); not a checkpoint file
 GATE_RECORD = "gate.json"
 START_MARKER = "start.json"
@@ -31,7 +35,13 @@ T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete or does not match its manifest."""
+    """A checkpoint is incomplete or does not match its manifest; ``reason``: a reason code
+    (``no_manifest``, ``bad_manifest``, ``file_missing``, ``sha256_mismatch``, ``unsigned``,
+    ``bad_signature``, ``unlisted_file``, ``no_signing_key``; ``unverified`` otherwise)."""
+
+    def __init__(self, detail: str, reason: str = "unverified"):
+        super().__init__(detail)
+        self.reason = reason
 
 
 def sha256_file(path: Path) -> str:
@@ -58,7 +68,8 @@ def write_manifest(ckpt_dir: Path, *, run: str, version: int, parent_version: in
     written when given (a manifest without it: full weights, as before LoRA).
     """
     ckpt_dir = Path(ckpt_dir)
-    files = {p.name: sha256_file(p) for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {p.name: sha256_file(p) for p in sorted(ckpt_dir.iterdir())
+             if p.is_file() and p.name not in (MANIFEST, SIGNATURE)}
     manifest = {
         "run": run, "version": version, "parent_version": parent_version, "base_model": base_model,
         "step": step, "trained_offsets": dict(trained_offsets),
@@ -82,22 +93,51 @@ def verify_manifest(ckpt_dir: Path) -> dict:
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{path}: manifest missing")
+        raise CheckpointError(f"{path}: manifest missing", "no_manifest")
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest: {exc}") from exc
+        raise CheckpointError(f"{path}: unreadable manifest: {exc}", "bad_manifest") from exc
     if not files:
-        raise CheckpointError(f"{path}: manifest lists no files")
+        raise CheckpointError(f"{path}: manifest lists no files", "bad_manifest")
     for name, expected in files.items():
         f = ckpt_dir / name
-        if not f.is_file():
-            raise CheckpointError(f"{ckpt_dir}: file {name} listed in manifest is missing")
+        if "/" in name or not f.is_file():
+            raise CheckpointError(f"{ckpt_dir}: file {name} listed in manifest is missing", "file_missing")
         actual = sha256_file(f)
         if actual != expected:
-            raise CheckpointError(f"{ckpt_dir}: sha256 mismatch for {name}: manifest {expected}, file {actual}")
+            raise CheckpointError(f"{ckpt_dir}: sha256 mismatch for {name}: manifest {expected}, file {actual}",
+                                  "sha256_mismatch")
     return manifest
+
+
+def sign_manifest(ckpt_dir: Path, key: bytes) -> str:
+    """Write :data:`SIGNATURE`: the HMAC-SHA256 of ``manifest.json``'s bytes keyed by ``key``
+    (spanrl/core/credentials.py :func:`sign`); returns it."""
+    ckpt_dir = Path(ckpt_dir)
+    signature = credentials.sign(key, (ckpt_dir / MANIFEST).read_bytes())
+    (ckpt_dir / SIGNATURE).write_text(signature + "\n")
+    return signature
+
+
+def verify_signature(ckpt_dir: Path, key: bytes) -> None:
+    """Raise :class:`CheckpointError` unless ``ckpt_dir`` (whose files :func:`verify_manifest`
+    checked) is what the key's holder signed: ``unsigned`` (no :data:`SIGNATURE`),
+    ``bad_signature`` (another key, or the manifest changed after signing) or
+    ``unlisted_file`` (a file the manifest does not list: vLLM would load any
+    ``*.safetensors`` of the directory)."""
+    ckpt_dir = Path(ckpt_dir)
+    sig = ckpt_dir / SIGNATURE
+    if not sig.is_file():
+        raise CheckpointError(f"{ckpt_dir}: no {SIGNATURE} (an unsigned checkpoint)", "unsigned")
+    if not credentials.verify(key, (ckpt_dir / MANIFEST).read_bytes(), sig.read_text()):
+        raise CheckpointError(f"{ckpt_dir}: {SIGNATURE} does not match the manifest under this stack's key",
+                              "bad_signature")
+    listed = set(json.loads((ckpt_dir / MANIFEST).read_text())["files"]) | {MANIFEST, SIGNATURE}
+    extra = sorted(p.name for p in ckpt_dir.iterdir() if p.name not in listed)
+    if extra:
+        raise CheckpointError(f"{ckpt_dir}: files the manifest does not list: {extra}", "unlisted_file")
 
 
 def manifest_sha256(ckpt_dir: Path) -> str:
@@ -467,7 +507,7 @@ def download_checkpoint(client, uri: str, dest: Path) -> dict:
     with partial_dir(Path(dest)) as tmp:
         objs = [o for o in client.list_objects(bucket, prefix=prefix) if not o.is_dir]
         if not any(o.object_name == prefix + MANIFEST for o in objs):
-            raise CheckpointError(f"{uri}: no {MANIFEST} (upload unfinished or wrong uri)")
+            raise CheckpointError(f"{uri}: no {MANIFEST} (upload unfinished or wrong uri)", "no_manifest")
         for o in objs:
             name = o.object_name[len(prefix):]
             if "/" in name or name == GATE_RECORD:  # the gate's decision is not part of the checkpoint

@@ -2,9 +2,13 @@
 
 For each CheckpointAnnouncement of its run (newer than what vLLM serves):
 1. download ``s3://BUCKET/RUN/VERSION/`` into ``cache_dir/checkpoints/RUN/VERSION:06d``
-   and verify every sha256 of the manifest, and the manifest's own sha256 against the
-   announcement. On any mismatch: log, record ``verified: false``, touch nothing in
-   vLLM (it keeps serving the old version).
+   and verify every sha256 of the manifest, the trainer's signature of the manifest
+   (``manifest.sig``, HMAC-SHA256 under ``state_dir/secrets/checkpoint_key``, which only the
+   trainer and the reloader read: a writer of the bucket cannot forge it), and the
+   manifest's own sha256 against the announcement. On any mismatch: log with a reason code
+   (``checkpoint.CheckpointError.reason``: ``unsigned``, ``bad_signature``,
+   ``sha256_mismatch``, ...), record ``verified: false`` and the ``reason``, touch nothing
+   in vLLM (it keeps serving the old version).
 2. reload vLLM in place (dev-mode endpoints of vllm 0.32, verified in
    vllm/entrypoints/rl/online/api_router.py and serve/dev/{rpc,cache}/api_router.py):
    ``POST /pause?mode=wait`` -> ``POST /collective_rpc {"method": "reload_weights",
@@ -62,6 +66,7 @@ from pathlib import Path
 
 import httpx
 from spanrl.core import plugins
+from spanrl.core.edge import service_credentials
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.settings import ReloaderConfig, check_environment, get_settings
 from spanrl.trainer import checkpoint, lora, tracking
@@ -148,6 +153,7 @@ class Reloader:
         """Download + verify (raises CheckpointError on any mismatch, MinIO errors as is)."""
         version = int(ann["version"])
         manifest = checkpoint.download_checkpoint(self.minio, ann["uri"], dest)
+        self._check_signature(dest)
         actual = checkpoint.manifest_sha256(dest)
         if actual != ann["manifest_sha256"]:
             raise checkpoint.CheckpointError(f"manifest sha256 {actual} != announced {ann['manifest_sha256']}")
@@ -155,6 +161,20 @@ class Reloader:
             raise checkpoint.CheckpointError(
                 f"manifest is {manifest['run']}/{manifest['version']}, announced {self.run}/{version}")
         self._check_servable(manifest, dest)
+
+    def _check_signature(self, ckpt_dir: Path) -> None:
+        """Raise CheckpointError unless ``ckpt_dir`` carries the trainer's signature under the
+        stack's key (``checkpoint.verify_signature``: ``unsigned``, ``bad_signature``,
+        ``unlisted_file``). Without a key: refused with auth on (``no_signing_key``); open mode
+        serves it unsigned, with a warning."""
+        key = self.settings.checkpoint_key()
+        if key is not None:
+            checkpoint.verify_signature(ckpt_dir, key)
+        elif self.settings.auth == "on":
+            raise checkpoint.CheckpointError(f"no checkpoint key in {self.settings.state_dir}/secrets: nothing can be "
+                                             "verified (start the stack once to make it)", "no_signing_key")
+        else:
+            log.warning("SPANRL_AUTH=open and no checkpoint key: %s is served unsigned", ckpt_dir)
 
     def _check_servable(self, manifest: dict, ckpt_dir: Path) -> None:
         """Raise CheckpointError unless verified checkpoint ``ckpt_dir`` can be served: full weights
@@ -216,8 +236,9 @@ class Reloader:
             raise
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
-            log.error("refusing checkpoint %s v%d: %s; vLLM keeps serving v%d", uri, version, exc,
-                      self.served_version)
+            entry["reason"] = getattr(exc, "reason", None) or type(exc).__name__
+            log.error("refusing checkpoint %s v%d (%s): %s; vLLM keeps serving v%d", uri, version, entry["reason"],
+                      exc, self.served_version)
             return False
         entry["verified"], entry["error"] = True, None
         if self.cfg.gate:
@@ -347,6 +368,7 @@ class Reloader:
                 except Exception as exc:  # noqa: BLE001 - NoSuchKey / NoSuchBucket
                     raise CheckpointNotFound(f"no checkpoint {run}:{version} ({uri}): {exc}") from exc
                 manifest = checkpoint.download_checkpoint(self.minio, uri, dest)
+                self._check_signature(dest)
                 if manifest["version"] != version or manifest["run"] != run:
                     raise checkpoint.CheckpointError(
                         f"manifest is {manifest['run']}/{manifest['version']}, asked for {run}/{version}")
@@ -413,7 +435,7 @@ class Reloader:
         except CheckpointNotFound as exc:
             return 404, {"error": "unknown_checkpoint", "detail": str(exc)}
         except checkpoint.CheckpointError as exc:
-            return 409, {"error": "checkpoint_unverified", "detail": str(exc)}
+            return 409, {"error": "checkpoint_unverified", "reason": exc.reason, "detail": str(exc)}
         except RuntimeError as exc:
             return 503, {"error": "reload_failed", "detail": str(exc)}
 
@@ -485,16 +507,21 @@ class Reloader:
             except asyncio.TimeoutError:
                 pass
 
+    def http_routes(self) -> dict:
+        """The HTTP routes beside /health and /status (trainer/train.py ``http_app``'s keyword
+        arguments): ``GET /policy``, ``POST /admin/pin``, ``POST /admin/unpin``, /metrics."""
+        return {"routes": {"/policy": self.policy},
+                "post_routes": {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin},
+                "metrics_fn": lambda: tracking.reloader_families(self.status(), self.history, self.handled)}
+
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         from spanrl.schemas.codec import SchemaError, decode
 
-        http = await start_http(self.settings.host, self.settings.reloader_port, self.status,
-                                {"/policy": self.policy},
-                                {"/admin/pin": self.http_pin, "/admin/unpin": self.http_unpin},
-                                metrics_fn=lambda: tracking.reloader_families(self.status(), self.history, self.handled)) \
+        http = await start_http(self.settings.host, self.settings.reloader_port, self.status, **self.http_routes(),
+                                credentials=service_credentials(self.settings, "reloader", log)) \
             if self.cfg.http else None
         consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.kafka_bootstrap,
                                     isolation_level="read_committed", enable_auto_commit=False, group_id=None)
@@ -613,10 +640,10 @@ async def vllm_healthy(vllm_url: str, timeout_s: float = 5.0) -> bool:
 async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
     """``POST {proxy}/admin/policy_unsynced {"reason"}``: the proxy answers 503
     policy_unsynced until a version is posted again (unreachable proxy = warning)."""
-    from spanrl.core.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+    from spanrl.core.edge import bearer_headers  # an admin route of the proxy: the administrator token
 
     try:
-        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
+        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().admin_token)) as client:
             r = await client.post(f"{proxy_url}/admin/policy_unsynced", json={"reason": reason})
             if r.status_code >= 400:
                 log.warning("proxy refused policy_unsynced: %s %s", r.status_code, r.text[:200])
@@ -625,10 +652,10 @@ async def notify_proxy_unsynced(proxy_url: str, reason: str) -> None:
 
 
 async def notify_proxy(proxy_url: str, version: int, uri: str) -> None:
-    from spanrl.core.edge import bearer_headers  # the proxy's token when SPANRL_AUTH_TOKEN is set
+    from spanrl.core.edge import bearer_headers  # an admin route of the proxy: the administrator token
 
     try:
-        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().auth_token)) as client:
+        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(get_settings().admin_token)) as client:
             r = await client.post(f"{proxy_url}/admin/policy_version", json={"version": version, "checkpoint": uri})
             if r.status_code >= 400:
                 log.warning("proxy refused policy version %d: %s %s", version, r.status_code, r.text[:200])

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from spanrl.core import heap
 from spanrl.core import settings as env
+from spanrl.core.edge import service_credentials
 from spanrl.core.partitions import topic_partitions
 from spanrl.core.recipes import differences, recipe_fields
 from spanrl.core.settings import TrainerConfig, check_environment, get_settings
@@ -1136,6 +1137,12 @@ class Trainer:
             trained_offsets=trained, consumed_offsets=consumed, metrics=metrics,
             staleness={"max_staleness": self.cfg.max_staleness, "policy": self.cfg.stale_policy,
                        **self._since_parent}, adapter=self.adapter)
+        key = self.settings.checkpoint_key()
+        if key is not None:  # the reloader serves only what verifies (spanrl/core/credentials.py)
+            await asyncio.to_thread(checkpoint.sign_manifest, out, key)
+        elif self.settings.auth == "on":
+            log.error("no checkpoint key in %s/secrets: v%d goes out unsigned and a reloader with auth on "
+                      "refuses it (start the stack once to make the key)", self.settings.state_dir, version)
         self.state.pending_checkpoint = uri
         await self._retry(f"upload {uri}",
                           lambda: asyncio.to_thread(checkpoint.upload_checkpoint, self.minio, out, uri))
@@ -1225,13 +1232,17 @@ class Trainer:
             raise
         return consumer, tps
 
+    def http_routes(self) -> dict:
+        """The HTTP routes beside /health and /status (:func:`http_app`'s keyword arguments)."""
+        return {"post_routes": {"/admin/train": self.request_train},
+                "metrics_fn": lambda: tracking.trainer_families(self.status())}
+
     # loop -----------------------------------------------------------------------------
     async def serve(self) -> None:
         """Run until ``max_updates`` or :meth:`stop` (a stop during a retry ends it too)."""
         torch.manual_seed(self.torch_seed)
-        http = await start_http(self.settings.host, self.settings.trainer_port, self.status,
-                                post_routes={"/admin/train": self.request_train},
-                                metrics_fn=lambda: tracking.trainer_families(self.status())) \
+        http = await start_http(self.settings.host, self.settings.trainer_port, self.status, **self.http_routes(),
+                                credentials=service_credentials(self.settings, "trainer", log)) \
             if self.cfg.http else None
         self.tracker = tracking.tracker_for(self.settings, self.run, "trainer")
         try:
@@ -1586,15 +1597,32 @@ class Trainer:
 
 # ---- HTTP /health and /status ---------------------------------------------------------
 
-async def start_http(host: str, port: int, status_fn, routes: dict | None = None,
-                     post_routes: dict | None = None, metrics_fn=None):
-    """aiohttp app on the running loop: GET /health -> {"ok": true}, GET /status -> status_fn(),
+def http_app(status_fn, routes: dict | None = None, post_routes: dict | None = None, metrics_fn=None,
+             credentials=None, max_body_bytes: int = 1 << 20):
+    """The aiohttp app of the trainer and the reloader (:func:`start_http` serves it): GET /health -> {"ok": true}, GET /status -> status_fn(),
     GET /metrics -> the Prometheus families ``metrics_fn()`` returns, in the text format
     (spanrl.core.metrics),
     GET PATH -> ``await routes[PATH]()`` (a JSON-able dict) for each extra route, and
     POST PATH -> ``await post_routes[PATH](body)`` -> ``(http status, JSON-able dict)`` with
-    the request's JSON object as ``body`` (a body that is not a JSON object: 400 invalid_json)."""
+    the request's JSON object as ``body`` (a body that is not a JSON object: 400 invalid_json;
+    over ``max_body_bytes``: 413 too_large).
+    ``credentials`` (spanrl/core/edge.py ``Credentials``; None: open): every route but
+    ``/health`` needs the agent or administrator token, ``/admin/*`` the administrator's;
+    a refusal (401 / 403 with a JSON reason) is answered before the body is read."""
     from aiohttp import web
+
+    from spanrl.core.edge import authorize, www_authenticate
+
+    @web.middleware
+    async def auth(request, handler):
+        header = request.headers.get("Authorization")
+        refusal = authorize(credentials, request.method, request.path,
+                            header.encode("latin-1") if header is not None else None)
+        if refusal is None:
+            return await handler(request)
+        status, reason, detail = refusal
+        headers = {"WWW-Authenticate": www_authenticate(reason)} if status == 401 else None
+        return web.json_response({"error": reason, "detail": detail}, status=status, headers=headers)
 
     async def health(_):
         return web.json_response({"ok": True})
@@ -1609,6 +1637,9 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
 
     def post_handler(fn):
         async def h(request):
+            if (request.content_length or 0) > max_body_bytes:
+                return web.json_response({"error": "too_large", "detail": f"the body is over {max_body_bytes} bytes"},
+                                         status=413)
             try:
                 body = await request.json() if request.can_read_body else {}
             except ValueError as exc:
@@ -1626,7 +1657,7 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
         body = prom.exposition(prom.registry(metrics_fn))
         return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})
 
-    app = web.Application()
+    app = web.Application(middlewares=[auth], client_max_size=max_body_bytes)
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
     if metrics_fn is not None:
@@ -1635,6 +1666,15 @@ async def start_http(host: str, port: int, status_fn, routes: dict | None = None
         app.router.add_get(path, handler(fn))
     for path, fn in (post_routes or {}).items():
         app.router.add_post(path, post_handler(fn))
+    return app
+
+
+async def start_http(host: str, port: int, status_fn, **app_kw):
+    """:func:`http_app` (``app_kw``: its keyword arguments) served on ``host:port`` from the
+    running loop; returns the runner (``await runner.cleanup()`` stops it)."""
+    from aiohttp import web
+
+    app = http_app(status_fn, **app_kw)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -37,7 +37,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from examples.math_agent.tasks import HELDOUT_SEED, TRAIN_SEED
 from spanrl.core.settings import Settings, TrainerConfig, env_with_prefix, get_settings
-from spanrl.infra.admin import request_training
+from spanrl.infra.admin import admin_headers, request_training
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
 from spanrl.trainer import tracking
@@ -170,7 +170,7 @@ def _get_json(url: str, tries: int = 5) -> dict:
     retries before the error is raised."""
     for attempt in range(tries):
         try:
-            r = httpx.get(url, timeout=10)
+            r = httpx.get(url, timeout=10, headers=admin_headers(get_settings()))
             r.raise_for_status()
             return r.json()
         except httpx.HTTPError:

@@ -35,7 +35,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.templating import Jinja2Templates
 
-from spanrl.core.edge import bearer_headers, token_value
+from spanrl.core.edge import bearer_headers, service_credentials
 from spanrl.core.settings import (DashboardSettings, Settings, StreamSettings, TopicSettings, check_environment,
                                   get_settings)
 from spanrl.infra.dashboard import charts, views
@@ -267,11 +267,11 @@ def create_app(s: Settings, prefix: str = "", stream_group: str | None = None,
 
     app = FastAPI(title="spanrl dashboard", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tail, app.state.sources = state, sources
-    token = token_value(s.auth_token)
-    if token is not None:
+    credentials = service_credentials(s, "dashboard", log)
+    if credentials is not None:
         from spanrl.infra.dashboard.auth import DashboardAuth
 
-        app.add_middleware(DashboardAuth, token=token)
+        app.add_middleware(DashboardAuth, credentials=credentials)
 
     def page(request: Request, name: str, **ctx) -> HTMLResponse:
         return TEMPLATES.TemplateResponse(request, name, {"tail": state, "now": time.strftime("%H:%M:%S"), **ctx})

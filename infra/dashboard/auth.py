@@ -1,4 +1,6 @@
-"""The dashboard's way in when the stack has a bearer token (``SPANRL_AUTH_TOKEN``).
+"""The dashboard's way in with auth on (spanrl/core/edge.py: the agent or the administrator
+token reads the pages; a write, any method but GET and HEAD, would need the administrator's:
+the dashboard has none today).
 
 A program sends ``Authorization: Bearer <token>`` as to the bridge and the proxy
 (producers/edge.py). A browser cannot, so it opens any page once with ``?token=<token>``:
@@ -16,7 +18,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from spanrl.core.edge import OPEN_ROUTES, check_bearer
+from spanrl.core.edge import ADMIN, ADMIN_ONLY, OPEN_ROUTES, Credentials, as_credentials
 
 COOKIE = "spanrl_dashboard"
 _LABEL = b"spanrl-dashboard-session-v1"
@@ -42,39 +44,61 @@ def _cookie(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+#: methods that only read
+READS = frozenset({"GET", "HEAD"})
+
+
 class DashboardAuth:
     """ASGI middleware: bearer header, the session cookie, or ``?token=`` once (module doc);
-    anything else gets 401 with the reason (``missing_token`` / ``invalid_token``)."""
+    anything else gets 401 with the reason (``missing_token`` / ``invalid_token``), a write
+    without the administrator's token 403 ``admin_only``."""
 
-    def __init__(self, app: ASGIApp, token: str):
-        if not token:
-            raise ValueError("DashboardAuth needs a non-empty token")
-        self.app, self._token, self._cookie = app, token.encode(), cookie_value(token)
+    def __init__(self, app: ASGIApp, credentials: Credentials | str):
+        creds = as_credentials(credentials)
+        if creds is None:
+            raise ValueError("DashboardAuth needs credentials")
+        self.app, self.credentials = app, creds
+        #: cookie value -> the role of the token it was made from
+        self._cookies = {cookie_value(t): r for r, t in [*(("agent", t) for t in creds.agent), (ADMIN, creds.admin)]}
+
+    def _role(self, headers, query: str) -> tuple[str | None, str, bool]:
+        """(role or None, 401 reason, whether ``?token=`` gave the role)."""
+        header = next((v for k, v in headers if k == b"authorization"), None)
+        if header is not None:
+            role, reason = self.credentials.role(header)
+            if role is not None:
+                return role, "", False
+        cookie = _cookie(headers)
+        if cookie is not None:
+            for value, role in self._cookies.items():
+                if hmac.compare_digest(cookie.encode(), value.encode()):
+                    return role, "", False
+        given = [v for k, v in parse_qsl(query, keep_blank_values=True) if k == "token"]
+        if given:
+            role, _ = self.credentials.role(b"Bearer " + given[-1].encode())
+            if role is not None:
+                return role, "", True
+        return None, ("invalid_token" if given or header is not None or cookie is not None else "missing_token"), False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES:
             await self.app(scope, receive, send)
             return
-        headers = scope["headers"]
-        header = next((v for k, v in headers if k == b"authorization"), None)
-        if header is not None and check_bearer(header, self._token) is None:
-            await self.app(scope, receive, send)
-            return
-        cookie = _cookie(headers)
-        if cookie is not None and hmac.compare_digest(cookie.encode(), self._cookie.encode()):
-            await self.app(scope, receive, send)
-            return
         query = scope.get("query_string", b"").decode("latin-1")
-        given = [v for k, v in parse_qsl(query, keep_blank_values=True) if k == "token"]
-        if given and hmac.compare_digest(given[-1].encode(), self._token):
+        role, reason, from_query = self._role(scope["headers"], query)
+        if role is None:
+            response = PlainTextResponse(
+                f"401 {reason}: open this page once with ?token=<agent or administrator token>, or send "
+                "'Authorization: Bearer <token>'", status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="spanrl"'})
+        elif scope["method"] not in READS and role != ADMIN:
+            response = PlainTextResponse(f"403 {ADMIN_ONLY}: a write needs the administrator token", status_code=403)
+        elif from_query:
+            token = [v for k, v in parse_qsl(query, keep_blank_values=True) if k == "token"][-1]
             rest = without_token(query)
             response = RedirectResponse(scope["path"] + (f"?{rest}" if rest else ""), status_code=303)
-            response.set_cookie(COOKIE, self._cookie, httponly=True, samesite="strict", path="/")
-            await response(scope, receive, send)
+            response.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="strict", path="/")
+        else:
+            await self.app(scope, receive, send)
             return
-        reason = "invalid_token" if given or header is not None or cookie is not None else "missing_token"
-        response = PlainTextResponse(
-            f"401 {reason}: open this page once with ?token=<SPANRL_AUTH_TOKEN>, or send "
-            "'Authorization: Bearer <token>'", status_code=401,
-            headers={"WWW-Authenticate": 'Bearer realm="spanrl"'})
         await response(scope, receive, send)

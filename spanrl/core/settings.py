@@ -299,11 +299,25 @@ class Settings(Section):
         "which the trainer reads at temperature 1 (every example agent samples at 1.0)",
         readers="proxy, stack, trainer")
 
-    auth_token: SecretStr | None = setting(None, "bearer token the bridge and the proxy demand on every route but "
-                                           "`GET /health` (unset or empty: no auth)",
-                                           readers="bridge, proxy, runner, reloader, eval, dashboard")
-    auth_token_file: Path | None = setting(None, "a file holding the bearer token (when `SPANRL_AUTH_TOKEN` is unset)",
-                                           readers="bridge, proxy, runner, reloader, eval, dashboard")
+    auth: str = setting("on", "`on`: every HTTP route but the health checks needs a credential, the agent token "
+                        "(LLM calls, traces, rewards, rollout ends, status reads) or the administrator token "
+                        "(every route, `/admin/*` only it), and the trainer signs checkpoints that the reloader "
+                        "verifies; the stack makes the secrets at its first start (`state_dir/secrets`). `open`: "
+                        "nothing is checked (a laptop demo; each service says so at start) and refused on a host "
+                        "beyond loopback (docs/operations.md, Credentials)",
+                        readers="every service, stack, cli")
+    auth_token: SecretStr | None = setting(None, "the agent token (bridge, proxy; status reads elsewhere); unset: "
+                                           "`SPANRL_AUTH_TOKEN_FILE`, else `state_dir/secrets/agent_token`",
+                                           readers="bridge, proxy, runner, instrument, reloader, eval, dashboard")
+    auth_token_file: Path | None = setting(None, "a file holding the agent token (when `SPANRL_AUTH_TOKEN` is unset)",
+                                           readers="bridge, proxy, runner, instrument, reloader, eval, dashboard")
+    admin_token: SecretStr | None = setting(None, "the administrator token (every route; `/admin/*` and the "
+                                            "dashboard only it); unset: `state_dir/secrets/admin_token`",
+                                            readers="bridge, proxy, trainer, reloader, dashboard, eval, main job, "
+                                            "chaos, admin helpers")
+    checkpoint_key_file: Path | None = setting(None, "the key the trainer signs checkpoint manifests with and the "
+                                               "reloader verifies them with (HMAC-SHA256); only they read it",
+                                               readers="trainer, reloader", shown="`state_dir/secrets/checkpoint_key`")
     bridge_max_inflight_bytes: int = setting(64 << 20, "bytes of encoded records the bridge holds waiting for "
                                              "Kafka's acks; a request that would go over gets 503 `buffer_full`",
                                              unit="bytes", readers="bridge")
@@ -354,9 +368,25 @@ class Settings(Section):
             self.vllm_chat_template = spec.chat_template
         return self
 
+    @field_validator("auth")
+    @classmethod
+    def _auth_mode(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in ("on", "open"):
+            raise ValueError(f"must be `on` or `open`, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _read_auth_token(self) -> "Settings":
-        """An empty ``SPANRL_AUTH_TOKEN`` means no auth; a token file must hold a token."""
+        """Each token: the variable, else its file (the agent's ``SPANRL_AUTH_TOKEN_FILE``, which
+        must hold one), else the stack's ``state_dir/secrets``; empty means unset. Open mode on
+        a host beyond loopback is refused (anyone on the network could train the model)."""
+        from spanrl.core import credentials
+        from spanrl.core.edge import is_loopback
+
+        if self.auth == "open" and not is_loopback(self.host):
+            raise ValueError(f"SPANRL_AUTH=open with SPANRL_HOST={self.host}: a service bound beyond loopback "
+                             "needs auth on (SPANRL_AUTH=on and its tokens, docs/operations.md)")
         if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
             self.auth_token = None
         if self.auth_token is None and self.auth_token_file is not None:
@@ -364,7 +394,51 @@ class Settings(Section):
             if not token:
                 raise ValueError(f"SPANRL_AUTH_TOKEN_FILE {self.auth_token_file} is empty")
             self.auth_token = SecretStr(token)
+        if self.admin_token is not None and not self.admin_token.get_secret_value().strip():
+            self.admin_token = None
+        self.reload_secrets()
         return self
+
+    def reload_secrets(self) -> None:
+        """Fill the tokens still unset from the stack's ``state_dir/secrets`` (at start-up, and
+        once ``spanrl stack up`` has made them)."""
+        from spanrl.core import credentials
+
+        for field, name in (("auth_token", credentials.AGENT_TOKEN), ("admin_token", credentials.ADMIN_TOKEN)):
+            if getattr(self, field) is None:
+                found = credentials.read_secret(self.state_dir, name)
+                if found is not None:
+                    setattr(self, field, SecretStr(found))
+
+    def credentials(self):
+        """What a service accepts (spanrl/core/edge.py ``Credentials``); None in open mode (the
+        caller says so loudly: ``spanrl.core.edge.service_credentials``). Only an agent token
+        (``SPANRL_AUTH_TOKEN`` as before the administrator token existed): that one token for
+        both roles. Auth on without a token raises :class:`AuthNotConfigured` naming the ways to
+        provide them."""
+        from spanrl.core.edge import Credentials, as_credentials, token_value
+
+        if self.auth == "open":
+            return None
+        agent, admin = token_value(self.auth_token), token_value(self.admin_token)
+        if agent is None:
+            raise AuthNotConfigured(f"auth is on (SPANRL_AUTH=on) but no token is set and {self.state_dir / 'secrets'} "
+                                    "holds none: start the stack once (`spanrl stack up` makes the secrets), set "
+                                    "SPANRL_AUTH_TOKEN and SPANRL_ADMIN_TOKEN, or run open for a laptop demo with "
+                                    "SPANRL_AUTH=open")
+        return as_credentials(agent) if admin is None else Credentials(agent=(agent,), admin=admin)
+
+    def checkpoint_key(self) -> bytes | None:
+        """The checkpoint signing key (``checkpoint_key_file``, else
+        ``state_dir/secrets/checkpoint_key``; only the trainer and the reloader read it), None
+        when there is none."""
+        from spanrl.core import credentials
+
+        if self.checkpoint_key_file is not None:
+            key = credentials.read_file(self.checkpoint_key_file)
+        else:
+            key = credentials.read_secret(self.state_dir, credentials.CHECKPOINT_KEY)
+        return key.encode() if key is not None else None
 
     @field_validator("kafka_brokers")
     @classmethod
@@ -474,6 +548,8 @@ class ProducerSettings(Section):
 
     bridge_max_body_bytes: int = setting(8 << 20, "largest request body the bridge takes (`--max-body-bytes`)",
                                          unit="bytes", readers="bridge")
+    proxy_max_body_bytes: int = setting(16 << 20, "largest request body the proxy takes (413 `body_too_large`)",
+                                        unit="bytes", readers="proxy")
     policy_version: int = setting(0, "the proxy's policy-version label until the reloader answers "
                                   "(`--policy-version`)", readers="proxy")
     # issue 55: records that outlive the model
@@ -900,6 +976,10 @@ def child_env(*overlays: Mapping[str, str] | None) -> dict[str, str]:
 def env_with_prefix(prefix: str) -> dict[str, str]:
     """The process's variables whose name starts with ``prefix`` (e.g. ``SPANRL_TRAINER_``)."""
     return {k: v for k, v in os.environ.items() if k.startswith(prefix)}
+
+
+class AuthNotConfigured(RuntimeError):
+    """Auth is on and a service cannot find its tokens."""
 
 
 @lru_cache(maxsize=1)

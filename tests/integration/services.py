@@ -1,6 +1,12 @@
 """What integration tests of the producers share: our services run as subprocesses from this
 checkout on free ports (``python -m spanrl.producers.bridge|proxy``), writing to a test's own
-``<prefix>*`` topics on the stack's Kafka, and reading those topics back."""
+``<prefix>*`` topics on the stack's Kafka, and reading those topics back.
+
+Credentials (docs/operations.md): the stack's own services run with auth on, so a test that
+calls them sends the stack's tokens (:func:`agent_key`, :func:`agent_headers`,
+:func:`admin_headers`, read when called: the stack makes them at its first start). A test's
+private service runs open (``SPANRL_AUTH=open``, on loopback) unless the test gives it
+credentials in ``env``: its subject is something else; the auth tests give it a token."""
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +22,40 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from spanrl.core.edge import bearer_headers, token_value
 from spanrl.core.settings import get_settings
 from spanrl.producers.kafka import Topics, create_topics, delete_topics
 from spanrl.schemas import codec
 
 ROOT = Path(__file__).resolve().parents[2]
 S = get_settings()
+
+
+#: variables that mean a test wants its private service closed
+AUTH_VARIABLES = ("SPANRL_AUTH", "SPANRL_AUTH_TOKEN", "SPANRL_AUTH_TOKEN_FILE", "SPANRL_ADMIN_TOKEN")
+
+
+def agent_key() -> str:
+    """The stack's agent token, as an OpenAI client's ``api_key`` ("unused" when open)."""
+    return token_value(S.auth_token) or "unused"
+
+
+def agent_headers() -> dict[str, str]:
+    """``Authorization: Bearer <the stack's agent token>`` ({} when there is none)."""
+    return bearer_headers(S.auth_token)
+
+
+def admin_headers() -> dict[str, str]:
+    """``Authorization: Bearer <the stack's administrator token>`` ({} when there is none)."""
+    return bearer_headers(S.admin_token)
+
+
+def private_env(env: dict | None = None) -> dict[str, str]:
+    """The environment of a test's private service: this process's, open unless ``env`` sets
+    a credential, then ``env``."""
+    env = dict(env or {})
+    auth = {} if any(k in env for k in AUTH_VARIABLES) else {"SPANRL_AUTH": "open"}
+    return {**os.environ, **auth, **env}
 
 
 def free_port() -> int:
@@ -34,13 +68,14 @@ def start_service(module: str, *args: str, env: dict | None = None, output: Path
                   timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
     """``python -m module --port P *args`` with ``env`` added; stdout+stderr to ``output``. A
     bridge runs without its OTLP/gRPC receiver unless ``args`` name a ``--grpc-port`` (the
-    default port is the stack's bridge's, and a second bind of it fails)."""
+    default port is the stack's bridge's, and a second bind of it fails). It runs open unless
+    ``env`` sets a credential (:func:`private_env`)."""
     if module.endswith(".bridge") and "--grpc-port" not in args:
         args = ("--grpc-port", "0", *args)
     port = free_port()
     out = open(output, "wb") if output else None
     proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *args], cwd=ROOT,
-                            env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT if out else None)
+                            env=private_env(env), stdout=out, stderr=subprocess.STDOUT if out else None)
     if out:
         out.close()  # the child holds its own descriptor
     url = f"http://{S.host}:{port}"

@@ -149,8 +149,10 @@ def test_agent_runs_from_a_fresh_venv_with_the_base_install(stack, settings, tmp
     rollout_id = f"client-install-{uuid.uuid4().hex[:8]}"
     script = tmp_path / "agent.py"
     script.write_text(AGENT)
+    # the agent finds the stack's agent token where any client on this machine does: the state directory
+    env = {**_clean_env(), "SPANRL_STATE_DIR": str(stack.state)}
     run = subprocess.run([str(python), str(script), settings.proxy_url, settings.bridge_url, settings.model_name,
-                          rollout_id, "a0"], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True,
+                          rollout_id, "a0"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -35,6 +35,7 @@ from spanrl.schemas import topics as T
 from spanrl.schemas.codec import encode
 from spanrl.trainer import checkpoint
 from spanrl.trainer.reloader import Reloader, ReloaderConfig
+from tests.integration.services import admin_headers
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,9 @@ def _checkpoint_dir(base: Path, out: Path, run: str, version: int, noise: float 
         save_file(noised, str(weights), metadata={"format": "pt"})
     checkpoint.write_manifest(out, run=run, version=version, parent_version=version - 1, base_model="base",
                               step=version, trained_offsets={}, metrics={})
+    key = get_settings().checkpoint_key()  # signed as the trainer signs: the reloader serves only what verifies
+    if key is not None:
+        checkpoint.sign_manifest(out, key)
     return out
 
 
@@ -77,7 +81,7 @@ async def _read_all(topic: str) -> list[dict]:
 
 
 async def _served(http: httpx.AsyncClient, s) -> dict:
-    return (await http.get(f"http://{s.host}:{s.reloader_port}/status")).json()
+    return (await http.get(f"http://{s.host}:{s.reloader_port}/status", headers=admin_headers())).json()
 
 
 @pytest.fixture

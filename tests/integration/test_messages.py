@@ -12,6 +12,8 @@ import uuid
 import anthropic
 import pytest
 
+from tests.integration.services import agent_key
+
 pytestmark = pytest.mark.integration
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
@@ -23,7 +25,7 @@ GREEDY = {"temperature": 0.0}  # anthropic 2.14's messages.create has no tempera
 def test_messages_text_tool_use_and_tool_result_are_recorded_with_exact_tokens(settings, spans_of, tokenizer):
     rid = uuid.uuid4().hex
     # the SDK appends /v1/messages to its base URL
-    client = anthropic.Anthropic(base_url=f"{settings.proxy_url}/rollouts/{rid}/attempts/0", api_key="unused",
+    client = anthropic.Anthropic(base_url=f"{settings.proxy_url}/rollouts/{rid}/attempts/0", api_key=agent_key(),
                                  max_retries=0)
     text = client.messages.create(model=settings.model_name, max_tokens=12, system="Be brief.",
                                   messages=[{"role": "user", "content": "Say hi."}], extra_body=GREEDY)
@@ -62,7 +64,7 @@ def test_messages_text_tool_use_and_tool_result_are_recorded_with_exact_tokens(s
 
 def test_messages_refusals_are_400_with_a_reason(settings):
     client = anthropic.Anthropic(base_url=f"{settings.proxy_url}/rollouts/{uuid.uuid4().hex}/attempts/0",
-                                 api_key="unused", max_retries=0)
+                                 api_key=agent_key(), max_retries=0)
     image = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/a.png"}}
     for kwargs, reason in [({"messages": [{"role": "user", "content": [image]}]}, "unsupported_content"),
                            ({"messages": [{"role": "user", "content": "x"}], "thinking": {

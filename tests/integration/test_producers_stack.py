@@ -31,7 +31,7 @@ from spanrl.producers.kafka import Topics, create_topics
 from spanrl.producers.otlp import convert_request, decode_request
 from spanrl.producers.runner import Runner, publish_tasks
 from spanrl.schemas import codec
-from tests.integration.services import S, of_rollout, own_topics, read_topic, start_service, stop
+from tests.integration.services import S, admin_headers, of_rollout, own_topics, read_topic, start_service, stop
 from tests.integration.services import topic_prefix as _prefix
 
 pytestmark = pytest.mark.integration
@@ -229,9 +229,10 @@ def test_bridge_bounds_records_waiting_for_acks(tmp_path):
 
 
 def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
-    """With SPANRL_AUTH_TOKEN set: no or a wrong token -> 401, the right one -> through; the
-    token never shows in what the services print. (vLLM is not needed: a proxy call that got
-    past auth answers 503 vllm_unavailable.)"""
+    """With SPANRL_AUTH_TOKEN set (the agent token; the administrator's is the stack's): no or
+    a wrong token -> 401, the agent token -> through but 403 on an admin route, which takes the
+    administrator's; the token never shows in what the services print. (vLLM is not needed: a
+    proxy call that got past auth answers 503 vllm_unavailable.)"""
     token = "itest-" + secrets.token_urlsafe(24)
     env = {"SPANRL_AUTH_TOKEN": token}
     logs = {name: tmp_path / f"{name}.log" for name in ("bridge", "proxy")}
@@ -269,7 +270,10 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
         rewards = read_topic(topics.rewards, lambda rs: bool(of_rollout(rs, rid)), 5)
         assert [r["value"] for r in of_rollout(rewards, rid)] == [0.5]
         bm = httpx.get(bridge_url + "/status", headers=good).json()
-        assert (bm["spans"], bm["http_401"], bm["missing_token"], bm["invalid_token"]) == (2, 5, 2, 3)
+        # instrument(auth_token=None) sends this process's agent token, the stack's (not this
+        # bridge's: invalid), or none when the stack has none (missing)
+        missing = 2 if S.auth_token is None else 1
+        assert (bm["spans"], bm["http_401"], bm["missing_token"], bm["invalid_token"]) == (2, 5, missing, 5 - missing)
 
         # proxy: the OpenAI SDK sends api_key as the bearer token
         base = f"{proxy_url}/rollouts/{rid}/attempts/0/v1"
@@ -280,9 +284,12 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
                 model=S.model_name, messages=[{"role": "user", "content": "x"}])
         assert past_auth.value.status_code == 503 and "vllm_unavailable" in str(past_auth.value.body)
         assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}).status_code == 401
-        assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}, headers=good).json()["version"] == 3
+        r = httpx.post(proxy_url + "/admin/policy_version", json={"version": 3}, headers=good)
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "admin_only")
+        assert httpx.post(proxy_url + "/admin/policy_version", json={"version": 3},
+                          headers=admin_headers()).json()["version"] == 3
         pm = httpx.get(proxy_url + "/status", headers=good).json()
-        assert (pm["http_401"], pm["vllm_unavailable"], pm["policy_version"]) == (4, 1, 3)
+        assert (pm["http_401"], pm["http_403"], pm["vllm_unavailable"], pm["policy_version"]) == (4, 1, 1, 3)
     finally:
         for p in (bridge, proxy):
             if p is not None:
@@ -294,7 +301,7 @@ def test_bearer_token_on_bridge_and_proxy(topics, tmp_path):
 
 def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path, monkeypatch):
     """The runner hands the agent the token as ``ctx.api_key``; the call is recorded; the
-    reloader's policy-version update carries the token too."""
+    reloader's policy-version update carries the administrator token."""
     from spanrl.core.settings import Settings
     from spanrl.trainer import reloader
 
@@ -308,8 +315,7 @@ def test_runner_agent_and_reloader_through_a_proxy_with_a_token(stack, tmp_path,
     try:
         monkeypatch.setattr(reloader, "get_settings", lambda: settings)
         asyncio.run(reloader.notify_proxy(proxy_url, 5, "s3://b/run/5/"))
-        assert httpx.get(proxy_url + "/admin/policy_version",
-                         headers={"Authorization": f"Bearer {token}"}).json()["version"] == 5
+        assert httpx.get(proxy_url + "/admin/policy_version", headers=admin_headers()).json()["version"] == 5
 
         async def agent(ctx):
             async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:

@@ -17,7 +17,7 @@ import pytest
 from spanrl.infra.replay import read_records, topics_end_offsets
 from spanrl.schemas import decode
 from spanrl.schemas import topics as T
-from tests.integration.services import start_service, stop
+from tests.integration.services import agent_key, start_service, stop
 
 # the base weights (conftest.base_policy): a trained version that earlier tests left served may
 # not stop within max_tokens=32, and the Agents SDK raises on an incomplete response
@@ -68,7 +68,7 @@ def agents_run_config(settings, rid: str, prefix: str = ""):
     from agents import RunConfig
     from agents.models.openai_provider import OpenAIProvider
 
-    client = openai.AsyncOpenAI(base_url=base_url(settings, rid, prefix), api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url(settings, rid, prefix), api_key=agent_key(), max_retries=0)
     # tracing off for this run only: nothing goes to OpenAI, other tests' processors stay
     return RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
 
@@ -93,7 +93,7 @@ def test_langchain_use_responses_api_invoke(stack, settings, tokenizer):
     from langchain_openai import ChatOpenAI
 
     rid, since = uuid.uuid4().hex, ends(settings)
-    llm = ChatOpenAI(model=settings.model_name, base_url=base_url(settings, rid), api_key="unused",
+    llm = ChatOpenAI(model=settings.model_name, base_url=base_url(settings, rid), api_key=agent_key(),
                      use_responses_api=True, temperature=0, max_tokens=32, max_retries=0)
     message = llm.invoke([("system", "Be brief."), ("user", QUESTION)])
     [span] = spans_of(settings, rid, since)
@@ -106,7 +106,7 @@ def test_openai_sdk_logprobs_and_eval_route(stack, settings, tokenizer):
     """``include`` output_text log-probs are the recorded behaviour log-probs; the same API
     under ``/eval/0/`` records greedily on ``spans.eval``."""
     rid, since = uuid.uuid4().hex, ends(settings)
-    client = openai.OpenAI(base_url=base_url(settings, rid), api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=base_url(settings, rid), api_key=agent_key(), max_retries=0)
     r = client.responses.create(model=settings.model_name, instructions="Be brief.", input=QUESTION,
                                 temperature=0, max_output_tokens=32, include=["message.output_text.logprobs"])
     [span] = spans_of(settings, rid, since)
@@ -116,7 +116,7 @@ def test_openai_sdk_logprobs_and_eval_route(stack, settings, tokenizer):
     assert span["llm"]["completion_logprobs"] == pytest.approx(seen, rel=1e-6)  # float32 on the wire
 
     eval_rid, eval_since = uuid.uuid4().hex, ends(settings, T.SPANS_EVAL)
-    client = openai.OpenAI(base_url=base_url(settings, eval_rid, "/eval/0"), api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=base_url(settings, eval_rid, "/eval/0"), api_key=agent_key(), max_retries=0)
     r = client.responses.create(model=settings.model_name, input=QUESTION, temperature=0.9, max_output_tokens=32)
     [span] = spans_of(settings, eval_rid, eval_since, T.SPANS_EVAL)
     assert (span["llm"]["temperature"], r.temperature) == (0.0, 0.0)  # the route's sampling, echoed
@@ -146,7 +146,7 @@ def test_stateful_requests_get_a_400_naming_the_feature(stack, settings, tokeniz
     from agents import Agent, ModelSettings, Runner
 
     rid, since = uuid.uuid4().hex, ends(settings)
-    client = openai.OpenAI(base_url=base_url(settings, rid), api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=base_url(settings, rid), api_key=agent_key(), max_retries=0)
     for field, value in [("previous_response_id", "resp_1"), ("conversation", "conv_1"), ("background", True)]:
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(model=settings.model_name, input="hi", **{field: value})
@@ -222,7 +222,7 @@ def test_langchain_use_responses_api_stream(stack, settings, tokenizer):
     from langchain_openai import ChatOpenAI
 
     rid, since = uuid.uuid4().hex, ends(settings)
-    llm = ChatOpenAI(model=settings.model_name, base_url=base_url(settings, rid), api_key="unused",
+    llm = ChatOpenAI(model=settings.model_name, base_url=base_url(settings, rid), api_key=agent_key(),
                      use_responses_api=True, temperature=0, max_tokens=32, max_retries=0)
     chunks = list(llm.stream([("system", "Be brief."), ("user", QUESTION)]))
     assert len([c for c in chunks if c.text]) >= 2
@@ -247,7 +247,7 @@ def test_streamed_response_without_kafka_ends_with_an_error_event(stack, setting
                               "--reloader-url", "", env={"SPANRL_KAFKA_SEND_TIMEOUT_S": "1"})
     try:
         base = f"{url}/rollouts/r/attempts/0/v1"
-        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=base, api_key=agent_key(), max_retries=0)
         kinds = [(e.type, getattr(e, "code", None)) for e in client.responses.create(
             model=settings.model_name, input=QUESTION, temperature=0, max_output_tokens=32, stream=True)]
         assert ("response.output_text.delta", None) in kinds and kinds[-1] == ("error", "kafka_unavailable")
@@ -256,7 +256,7 @@ def test_streamed_response_without_kafka_ends_with_an_error_event(stack, setting
         agent = Agent(name="solver", model=settings.model_name, model_settings=ModelSettings(temperature=0, max_tokens=32))
 
         async def agent_run():
-            aclient = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+            aclient = openai.AsyncOpenAI(base_url=base, api_key=agent_key(), max_retries=0)
             run = Runner.run_streamed(agent, QUESTION, max_turns=1, run_config=RunConfig(
                 model_provider=OpenAIProvider(openai_client=aclient), tracing_disabled=True))
             async for _ in run.stream_events():
@@ -265,7 +265,7 @@ def test_streamed_response_without_kafka_ends_with_an_error_event(stack, setting
         with pytest.raises(ModelBehaviorError, match="kafka_unavailable"):
             asyncio.run(agent_run())
         with pytest.raises(ValueError, match="kafka_unavailable"):
-            list(ChatOpenAI(model=settings.model_name, base_url=base, api_key="unused", use_responses_api=True,
+            list(ChatOpenAI(model=settings.model_name, base_url=base, api_key=agent_key(), use_responses_api=True,
                             max_tokens=8, max_retries=0).stream("hi"))
         with pytest.raises(openai.APIStatusError) as err:  # not streamed: the answer waits for the ack
             client.responses.create(model=settings.model_name, input="hi", max_output_tokens=2)

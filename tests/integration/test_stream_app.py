@@ -53,6 +53,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from spanrl.core.settings import get_settings
 from spanrl.schemas import codec, topics
+from tests.integration.services import private_env
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -391,7 +392,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
     web_port, bridge_port = _free_port(), _free_port()
     bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
                                "--grpc-port", "0", "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
-                              stdout=open(tmp_path / "bridge.log", "wb"), stderr=subprocess.STDOUT,
+                              env=private_env(), stdout=open(tmp_path / "bridge.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)
     worker = _start_worker(names, app_id, web_port, tmp_path / "worker.log")
     bridge_url = f"http://127.0.0.1:{bridge_port}"
@@ -415,7 +416,7 @@ def test_oversize_span_is_claim_checked_and_resolved(tmp_path, kafka_minio, sett
         stop_process_group(bridge, grace_s=10)
         bridge = subprocess.Popen([sys.executable, "-m", "spanrl.producers.bridge", "--port", str(bridge_port),
                                    "--grpc-port", "0", "--topic-prefix", f"sjtest-{suffix}-"], cwd=REPO,
-                                  env={**os.environ, "SPANRL_MINIO_PORT": "1"},
+                                  env=private_env({"SPANRL_MINIO_PORT": "1"}),
                                   stdout=open(tmp_path / "bridge2.log", "wb"), stderr=subprocess.STDOUT,
                                   start_new_session=True)
         _wait_http(bridge_url + "/health", bridge)
@@ -535,11 +536,12 @@ def test_worker_restart_recovers_pending_calls(tmp_path, kafka_minio):
 
 def _start_service(module: str, port: int, prefix: str, log_path: Path, *args: str) -> subprocess.Popen:
     """``python -m module`` (the bridge or the proxy) on ``port`` writing to ``prefix``-ed topics;
-    the bridge without its gRPC receiver (its port is the stack's bridge's)."""
+    the bridge without its gRPC receiver (its port is the stack's bridge's); open, as every
+    private service of the tests (tests/integration/services.py ``private_env``)."""
     if module.endswith(".bridge"):
         args = ("--grpc-port", "0", *args)
     return subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--topic-prefix", prefix, *args],
-                            cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=REPO, env=private_env(), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @contextmanager

@@ -20,6 +20,8 @@ import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
 
+from tests.integration.services import agent_key
+
 pytestmark = pytest.mark.integration
 
 WEATHER = {"type": "function", "function": {
@@ -31,7 +33,7 @@ CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def _client(settings, rollout_id: str, cls=openai.OpenAI):
-    return cls(base_url=f"{settings.proxy_url}/rollouts/{rollout_id}/attempts/0/v1", api_key="unused", max_retries=0)
+    return cls(base_url=f"{settings.proxy_url}/rollouts/{rollout_id}/attempts/0/v1", api_key=agent_key(), max_retries=0)
 
 
 def _calls_in(text: str) -> list[dict]:
@@ -142,7 +144,7 @@ def test_rag_agent_tool_path_against_the_stack(settings, spans_of):
     for _ in range(3):
         rid = uuid.uuid4().hex
         episode = asyncio.run(run_episode(task, f"{settings.proxy_url}/rollouts/{rid}/attempts/0/v1",
-                                          tool_mode=True))
+                                          agent_key(), tool_mode=True))
         spans = spans_of(rid)
         assert episode["mode"] == "tool" and spans
         if episode["tool_calls"]:
@@ -162,7 +164,7 @@ def test_langchain_bind_tools_with_a_named_tool_choice(settings, spans_of):
 
     rid = uuid.uuid4().hex
     llm = ChatOpenAI(model=settings.model_name, base_url=f"{settings.proxy_url}/rollouts/{rid}/attempts/0/v1",
-                     api_key="unused", max_retries=0, max_tokens=48, temperature=0.0)
+                     api_key=agent_key(), max_retries=0, max_tokens=48, temperature=0.0)
     reply = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
     [call] = reply.tool_calls
     assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo")

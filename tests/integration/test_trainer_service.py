@@ -30,8 +30,17 @@ from spanrl.schemas.codec import encode
 from spanrl.trainer import checkpoint, lora
 from spanrl.trainer.reloader import Reloader, ReloaderConfig, reload_vllm
 from spanrl.trainer.train import Trainer, TrainerConfig, read_announcements
+from tests.integration.services import admin_headers
 
 pytestmark = pytest.mark.integration
+
+def _sign(ckpt_dir: Path) -> None:
+    """Sign a hand-made checkpoint as the trainer signs its own (the reloader serves only what
+    verifies under the stack's key; none in open mode)."""
+    key = get_settings().checkpoint_key()
+    if key is not None:
+        checkpoint.sign_manifest(ckpt_dir, key)
+
 
 PROMPTS = ["Name a colour.", "Say hello in French.", "What is 2+2?", "Name a fruit."]
 
@@ -289,6 +298,7 @@ def _republish_adapter(minio, d: Path, manifest: dict, version: int, *, halve_lo
                               base_model=base_model or manifest["base_model"], step=manifest["step"] + version - 1,
                               trained_offsets=manifest["trained_offsets"], metrics=manifest["metrics"],
                               consumed_offsets=manifest["consumed_offsets"], adapter=manifest["adapter"])
+    _sign(d)  # replaces the copied manifest.sig of the original
     s = get_settings()
     uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, manifest["run"], version)
     checkpoint.upload_checkpoint(minio, d, uri)
@@ -631,6 +641,7 @@ async def test_reloader_download_rides_out_a_minio_outage(tmp_path, light_stack,
     shutil.copytree(tiny_model_dir, ckpt)
     checkpoint.write_manifest(ckpt, run=run, version=1, parent_version=0, base_model="tiny", step=1,
                               trained_offsets={"s:0": 4}, consumed_offsets={"s:0": [0, 4]}, metrics={})
+    _sign(ckpt)
     uri = checkpoint.checkpoint_uri(s.checkpoint_bucket, run, 1)
     ann = {"run": run, "version": 1, "uri": uri, "manifest_sha256": checkpoint.manifest_sha256(ckpt)}
     rl = Reloader(ReloaderConfig(run=run, http=False, watch_interval_s=0))
@@ -746,7 +757,7 @@ async def test_policy_version_labels_survive_vllm_and_proxy_restarts(tmp_path, l
                                   "--topic-prefix", f"trlabel-{tag}-", "--vllm-url", s.vllm_url,
                                   "--reloader-url", f"http://{s.host}:{s.reloader_port}"], cwd=ROOT,
                                  stdout=proxy_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=admin_headers()) as http:  # auth on: every route
             async def proxy_state() -> dict:
                 try:
                     return (await http.get(f"{proxy_url}/admin/policy_version")).json()

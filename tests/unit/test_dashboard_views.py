@@ -255,8 +255,8 @@ def status_server():
 
 
 def test_training_and_pipeline_pages_read_the_services_status(status_server, tmp_path):
-    s = Settings(base_model_dir="/nonexistent", trainer_port=status_server, reloader_port=status_server,
-                 kafka_port=1, minio_port=1)
+    s = Settings(auth="open", base_model_dir="/nonexistent", trainer_port=status_server,
+                 reloader_port=status_server, kafka_port=1, minio_port=1)
     app = create_app(s, tail=False, eval_dirs=[tmp_path])
     app.state.tail.views.add("checkpoint", {"run": "r", "version": 1, "uri": "s3://b/r/000001/", "step": 1,
                                             "parent_version": 0, "manifest_sha256": "h", "created_ms": 5,

@@ -61,9 +61,14 @@ def interpolate(value, env: dict[str, str]):
     return _VAR.sub(one, value)
 
 
+#: what compose.yaml demands from the environment (``${VAR:?...}``)
+COMPOSE_NEEDS = {"MINIO_ROOT_PASSWORD": "test-secret", "SPANRL_AUTH_TOKEN": "agent-tok",
+                 "SPANRL_ADMIN_TOKEN": "admin-tok", "CHECKPOINT_KEY_FILE": "./checkpoint_key"}
+
+
 def compose(env: dict[str, str] | None = None) -> dict:
     raw = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    return interpolate(raw, {"MINIO_ROOT_PASSWORD": "test-secret", **(env or {})})
+    return interpolate(raw, {**COMPOSE_NEEDS, **(env or {})})
 
 
 def k8s_files() -> list[Path]:
@@ -361,3 +366,61 @@ def test_load_balancer_passes_otlp_grpc_to_the_bridges(path, bridge_host):
         for dep in ("lb", "bridge"):
             ports = docs[("Deployment", dep)]["spec"]["template"]["spec"]["containers"][0]["ports"]
             assert {"name": "otlp-grpc", "containerPort": int(port)} in ports, dep
+
+
+# ---- credentials and vLLM's reach (docs/operations.md, Credentials) -----------------------------
+
+def test_compose_needs_every_credential():
+    for name in COMPOSE_NEEDS:
+        with pytest.raises(KeyError, match=name):
+            compose({name: ""})
+
+
+def test_vllm_port_is_never_published():
+    """vLLM's dev-mode endpoints (``/collective_rpc``, ``/pause``) reload weights: no published
+    port, no Service, no container port reaches them; compose puts each vLLM on its unit's
+    internal network only (with its reloader and proxy), Kubernetes binds it to the pod's
+    loopback."""
+    vllm_port = str(Settings.default("vllm_port"))
+    c = compose()
+    for name, svc in c["services"].items():
+        assert not any("18000" in str(p) or vllm_port in str(p) for p in svc.get("ports", [])), name
+    units = {n: svc for n, svc in c["services"].items() if n.startswith("vllm-")}
+    assert len(units) == 2
+    for name, svc in units.items():
+        unit = name.replace("vllm-", "unit-")
+        assert svc["networks"] == [unit] and c["networks"][unit] == {"internal": True}, name
+        on_unit = sorted(n for n, s in c["services"].items() if unit in s.get("networks", []))
+        assert on_unit == sorted([name, name.replace("vllm", "reloader"), name.replace("vllm", "proxy")])
+    for _, d in k8s_docs():
+        if d["kind"] == "Service":
+            assert all(p["port"] != 18000 and p.get("targetPort") != 18000 for p in d["spec"]["ports"]), d
+    vllm = [ct for n, ct in containers() if ct["image"].startswith("spanrl-policy")]
+    assert len(vllm) == 1 and _flag_values(vllm[0]["args"])["--host"] == "127.0.0.1"
+    assert all(p.get("containerPort") != 18000 for _, ct in containers() for p in ct.get("ports", []))
+
+
+def test_only_the_trainer_and_the_reloaders_get_the_checkpoint_key():
+    c = compose()
+    assert c["secrets"]["checkpoint_key"] == {"file": "./checkpoint_key"}
+    assert sorted(n for n, s in c["services"].items() if s.get("secrets")) == ["reloader-1", "reloader-2", "trainer"]
+    mounted = sorted(n for n, ct in containers()
+                     if any(m["name"] == "checkpoint-key" for m in ct.get("volumeMounts", [])))
+    assert mounted == ["policy/reloader", "trainer/trainer"]
+
+
+def test_a_service_beyond_loopback_refuses_to_run_open_or_without_tokens(tmp_path):
+    from pydantic import ValidationError
+
+    from spanrl.core.edge import ADMIN, AGENT
+    from spanrl.core.settings import AuthNotConfigured
+
+    with pytest.raises(ValidationError, match="SPANRL_AUTH=open with SPANRL_HOST=0.0.0.0"):
+        Settings(_env_file=None, host="0.0.0.0", auth="open")
+    assert Settings(_env_file=None, host="127.0.0.1", auth="open").credentials() is None  # the laptop demo
+    with pytest.raises(AuthNotConfigured, match="no token is set"):
+        Settings(_env_file=None, host="0.0.0.0", state_dir=tmp_path).credentials()
+    env = compose()["x-spanrl-env"]
+    creds = Settings(_env_file=None, host=env["SPANRL_HOST"], state_dir=tmp_path, auth_token=env["SPANRL_AUTH_TOKEN"],
+                     admin_token=env["SPANRL_ADMIN_TOKEN"]).credentials()
+    assert (creds.role(b"Bearer agent-tok"), creds.role(b"Bearer admin-tok")) == ((AGENT, None), (ADMIN, None))

@@ -45,8 +45,8 @@ def test_bearer_headers():
 
 def _apps(token):
     sink = Sink(UNREACHABLE, Topics(), send_timeout_s=1.0)
-    return {"bridge": bridge.create_app(sink, auth_token=token),
-            "proxy": proxy.create_app(sink, "http://127.0.0.1:1", "policy", auth_token=token)}
+    return {"bridge": bridge.create_app(sink, credentials=token),
+            "proxy": proxy.create_app(sink, "http://127.0.0.1:1", "policy", credentials=token)}
 
 
 #: every route but GET /health, with a body that would pass if the request got through
@@ -99,11 +99,12 @@ def test_no_token_configured_means_open(service):
 def test_settings_token_is_secret_and_read_from_a_file(tmp_path, monkeypatch):
     monkeypatch.delenv("SPANRL_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("SPANRL_AUTH_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("SPANRL_STATE_DIR", str(tmp_path / "state"))  # no stack secrets there
     s = Settings(_env_file=None, auth_token=TOKEN)
     assert TOKEN not in repr(s) and TOKEN not in str(s) and TOKEN not in repr(s.auth_token)
     assert Settings(_env_file=None).auth_token is None
     monkeypatch.setenv("SPANRL_AUTH_TOKEN", "")
-    assert Settings(_env_file=None).auth_token is None  # empty: auth off
+    assert Settings(_env_file=None).auth_token is None  # empty: unset
     monkeypatch.delenv("SPANRL_AUTH_TOKEN")
     f = tmp_path / "token"
     f.write_text(TOKEN + "\n")
@@ -117,10 +118,10 @@ def test_settings_token_is_secret_and_read_from_a_file(tmp_path, monkeypatch):
         Settings(_env_file=None)
 
 
-def test_runner_gives_the_agent_the_token_as_api_key():
+def test_runner_gives_the_agent_the_token_as_api_key(tmp_path):
     runner = Runner(lambda ctx: 0.0, settings=Settings(_env_file=None, auth_token=TOKEN))
     assert runner.api_key == TOKEN
-    assert Runner(lambda ctx: 0.0, settings=Settings(_env_file=None)).api_key == "spanrl"
+    assert Runner(lambda ctx: 0.0, settings=Settings(_env_file=None, state_dir=tmp_path)).api_key == "spanrl"
     ctx = RolloutContext({}, "t", "r", "0", "http://proxy/rollouts/r/attempts/0/v1", api_key=TOKEN)
     assert TOKEN not in repr(ctx)
 
@@ -173,7 +174,7 @@ def test_math_agent_sends_the_token_to_the_proxy(monkeypatch):
     assert seen == [f"Bearer {TOKEN}"]
 
 
-def test_reloader_tells_the_proxy_with_the_token(monkeypatch):
+def test_reloader_tells_the_proxy_with_the_administrator_token(monkeypatch):
     from spanrl.trainer import reloader
 
     seen = []
@@ -185,6 +186,30 @@ def test_reloader_tells_the_proxy_with_the_token(monkeypatch):
     real_client = httpx.AsyncClient
     monkeypatch.setattr(reloader.httpx, "AsyncClient",
                         lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
-    monkeypatch.setattr(reloader, "get_settings", lambda: Settings(_env_file=None, auth_token=TOKEN))
+    monkeypatch.setattr(reloader, "get_settings",
+                        lambda: Settings(_env_file=None, auth_token=TOKEN, admin_token="adm-" + TOKEN))
     asyncio.run(reloader.notify_proxy("http://proxy.test", 4, "s3://b/run/4/"))
-    assert seen == [("/admin/policy_version", f"Bearer {TOKEN}", {"version": 4, "checkpoint": "s3://b/run/4/"})]
+    assert seen == [("/admin/policy_version", f"Bearer adm-{TOKEN}", {"version": 4, "checkpoint": "s3://b/run/4/"})]
+
+
+def test_settings_credentials_closed_open_and_the_single_token(tmp_path, monkeypatch):
+    from spanrl.core.edge import ADMIN, AGENT, Credentials
+    from spanrl.core.settings import AuthNotConfigured
+
+    for name in ("SPANRL_AUTH_TOKEN", "SPANRL_AUTH_TOKEN_FILE", "SPANRL_ADMIN_TOKEN", "SPANRL_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    state = tmp_path / "state"  # no stack secrets there
+    with pytest.raises(AuthNotConfigured, match="start the stack once"):
+        Settings(_env_file=None, state_dir=state).credentials()
+    assert Settings(_env_file=None, state_dir=state, auth="OPEN").credentials() is None
+    with pytest.raises(ValidationError, match="must be `on` or `open`"):
+        Settings(_env_file=None, auth="off")
+    single = Settings(_env_file=None, state_dir=state, auth_token=TOKEN).credentials()  # the old one-token setup
+    assert single.role(f"Bearer {TOKEN}".encode()) == (ADMIN, None)
+    both = Settings(_env_file=None, state_dir=state, auth_token=TOKEN, admin_token="adm-" + TOKEN).credentials()
+    assert both == Credentials(agent=(TOKEN,), admin="adm-" + TOKEN)
+    assert both.role(f"Bearer {TOKEN}".encode()) == (AGENT, None)
+    assert both.role(b"Bearer nope") == (None, "invalid_token") and both.role(None) == (None, "missing_token")
+    assert TOKEN not in repr(both)
+    with pytest.raises(ValueError, match="must differ"):
+        Credentials(agent=(TOKEN,), admin=TOKEN)

@@ -179,7 +179,7 @@ def test_grpc_needs_the_bearer_token_when_one_is_set():
     spans = finished_spans()
     body = b"not read: refused before it is decoded"
     sink = RecordingSink(Topics())
-    app = app_for(sink, auth_token=TOKEN)
+    app = app_for(sink, credentials=TOKEN)
 
     async def go():
         async with served(app) as (_, port):
@@ -196,9 +196,10 @@ def test_grpc_needs_the_bearer_token_when_one_is_set():
 
     missing, wrong, other_scheme, results = run(go())
     assert [e.code() for e in (missing, wrong, other_scheme)] == [grpc.StatusCode.UNAUTHENTICATED] * 3
-    assert missing.details() == ("missing_token: this service needs metadata 'authorization: Bearer <token>' "
-                                 "(SPANRL_AUTH_TOKEN)")
-    assert wrong.details() == "invalid_token: the bearer token is not the one this service expects"
+    assert missing.details() == ("missing_token: this route needs 'Authorization: Bearer <token>' (the agent or "
+                                 "administrator token: SPANRL_AUTH_TOKEN / SPANRL_ADMIN_TOKEN, or the stack's "
+                                 "state_dir/secrets)")
+    assert wrong.details() == "invalid_token: the bearer token is not one this service accepts"
     assert other_scheme.details().startswith("missing_token: ")
     assert results == [SpanExportResult.SUCCESS, SpanExportResult.FAILURE]  # UNAUTHENTICATED: no retry
     m = app.state.metrics
@@ -385,7 +386,7 @@ def test_an_agent_configured_only_by_otel_environment_variables_exports_over_grp
     (the SDK's own configurator, no spanrl code): the records of ``http/protobuf`` to the HTTP
     port; a wrong token in ``OTEL_EXPORTER_OTLP_HEADERS`` gets nothing through."""
     sinks = {way: RecordingSink(Topics()) for way in ("grpc", "http/protobuf", "wrong token")}
-    apps = {way: app_for(sink, auth_token=TOKEN) for way, sink in sinks.items()}
+    apps = {way: app_for(sink, credentials=TOKEN) for way, sink in sinks.items()}
 
     async def agent(env):
         proc = await asyncio.create_subprocess_exec(sys.executable, str(ENV_AGENT), "env-r1", env=env,

@@ -368,7 +368,7 @@ def test_json_unknown_fields_are_ignored_and_null_is_the_default():
 
 def test_bridge_refuses_bad_json_like_bad_protobuf():
     with TestClient(bridge.create_app(RecordingSink(Topics()), max_body_bytes=1000, claim_client=object(),
-                                      payload_bucket="b", auth_token="s3cret")) as c:
+                                      payload_bucket="b", credentials="s3cret")) as c:
         auth = {"authorization": "Bearer s3cret"}
         js = {**auth, "content-type": "application/json"}
         answers = [

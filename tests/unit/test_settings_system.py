@@ -86,7 +86,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 156
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 160
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -173,6 +173,9 @@ def test_stack_wide_defaults():
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spanrl"
     dump = s.model_dump()
     assert dump.pop("minio_secret_key").get_secret_value() == "spanrl-local-secret"
+    # the tokens default to unset; a stack started in this clone fills them from state_dir/secrets
+    assert (Settings.default("auth_token"), Settings.default("admin_token")) == (None, None)
+    del dump["auth_token"], dump["admin_token"]
     assert dump == {
         'host': '127.0.0.1', 'cache_dir': cache, 'state_dir': Path('.spanrl'), 'kafka_port': 19092,
         'kafka_controller_port': 19093, 'kafka_brokers': 1, 'kafka_version': '4.1.1', 'minio_port': 19000, 'minio_console_port': 19001,
@@ -183,7 +186,7 @@ def test_stack_wide_defaults():
         'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0, 'recipe': '',
         'vllm_tool_call_parser': 'hermes', 'vllm_chat_template': 'infra/chat_templates/smollm2_tools.jinja',
         'rollout_temperature': None,
-        'auth_token': None, 'auth_token_file': None, 'bridge_max_inflight_bytes': 67108864,
+        'auth': 'on', 'auth_token_file': None, 'checkpoint_key_file': None, 'bridge_max_inflight_bytes': 67108864,
         'kafka_send_timeout_s': 15.0, 'tracker': 'tensorboard', 'tracker_dir': None}
 
 
@@ -278,8 +281,9 @@ def test_other_sections_defaults():
     from spanrl.schemas import topics
 
     assert TopicSettings.from_environ({}).model_dump() == {"rollout_partitions": 4, "topic_prefix": ""}
-    assert ProducerSettings.from_environ({}).model_dump() == {"bridge_max_body_bytes": 8 << 20, "policy_version": 0,
-                                                           "capture_messages": True}
+    assert ProducerSettings.from_environ({}).model_dump() == {"bridge_max_body_bytes": 8 << 20,
+                                                              "proxy_max_body_bytes": 16 << 20, "policy_version": 0,
+                                                              "capture_messages": True}
     assert DashboardSettings.from_environ({}).model_dump() == {"dashboard_eval_dirs": "results/eval:results"}
     assert StackSettings.from_environ({}).model_dump() == {"vllm_threads": "2", "trainer_threads": "2"}
     assert S.STACK_TRAINER_START == "latest"
