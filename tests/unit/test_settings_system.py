@@ -91,7 +91,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 156
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 160
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -185,6 +185,8 @@ def test_stack_wide_defaults():
         'payload_bucket': 'spanrl-payloads', 'vllm_port': 18000, 'bridge_port': 14318, 'bridge_grpc_port': 14317,
         'proxy_port': 18080, 'faust_web_port': 16066, 'stream_workers': 1, 'bridge_replicas': 1, 'reloader_port': 18090, 'trainer_port': 18091,
         'kafka_bootstrap_servers': '', 'minio_address': '', 'dashboard_port': 18092, 'dashboard_max_rollouts': 5000,
+        'schema_registry_port': 18081, 'schema_registry_address': '', 'schema_registry_version': '3.3.3',
+        'schema_compatibility': 'BACKWARD',
         'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0, 'recipe': '',
         'vllm_tool_call_parser': 'hermes', 'vllm_chat_template': 'infra/chat_templates/smollm2_tools.jinja',
         'rollout_temperature': None,
