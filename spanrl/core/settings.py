@@ -256,7 +256,7 @@ class Settings(Section):
     schema_registry_address: str = setting("", "where services and Kafka tools reach the schema registry when it "
                                            "runs elsewhere: the root URL of its Confluent-compatible API; empty: "
                                            "`http://host:schema_registry_port/apis/ccompat/v7`",
-                                           readers="stack, setup job, every service (ids unknown locally)")
+                                           readers="stack, setup job, stream, trainer (ids unknown locally)")
     schema_registry_version: str = setting("3.3.3", "the Apicurio Registry release the stack downloads "
                                            "(`io.apicurio:apicurio-registry-app`, Maven Central) and runs",
                                            readers="stack")

@@ -184,3 +184,15 @@ def test_stack_component(tmp_path):
     from spanrl.infra.stack import StackError
     with pytest.raises(StackError, match="run `make bootstrap`"):
         comp.prepare()
+
+
+def test_an_unreachable_registry_resolves_nothing_and_refuses_registration():
+    """Readers of known ids never need the registry; an unknown id read while it is down is a
+    schema error (dead letter), and the stack's registration step says where it failed."""
+    registry = SchemaRegistry()
+    schema_registry.install("http://127.0.0.1:1", registry)  # nothing listens on port 1
+    assert registry.decode("reward", codec.encode("reward", REWARD)) == {**REWARD, "schema_version": 1}
+    with pytest.raises(SchemaError, match="unknown schema id 99"):
+        registry.decode("reward", b"\x00\x00\x00\x00\x63" + REWARD_BODY)
+    with pytest.raises(schema_registry.RegistryError, match=re.escape("schema registry at http://127.0.0.1:1: Connect")):
+        schema_registry.register("http://127.0.0.1:1", "BACKWARD")
