@@ -262,8 +262,8 @@ class SchemaRegistry:
                 raise SchemaError("schema_error", f"unknown schema id {schema_id}")
             try:
                 raw = json.loads(text)
-                self._fetched[schema_id] = (raw.get("namespace", "") + "." + raw["name"]
-                                            if "." not in raw["name"] else raw["name"],
+                name, space = raw["name"], raw.get("namespace")
+                self._fetched[schema_id] = (f"{space}.{name}" if space and "." not in name else name,
                                             fastavro.parse_schema(raw, named_schemas={}))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise SchemaError("schema_error", f"schema id {schema_id}: not an Avro record schema: {exc}") from exc

@@ -99,13 +99,20 @@ def _call(response: httpx.Response, what: str) -> dict:
 
 def resolver(url: str, timeout_s: float = 5.0) -> Callable[[int], str | None]:
     """``schema_id -> schema text`` from ``GET {url}/schemas/ids/{id}``; None when the registry
-    does not know the id or cannot be reached (logged)."""
+    does not know the id (remembered: a garbage id costs one request) or cannot be reached
+    (logged; asked again next time)."""
+    unknown: set[int] = set()
+
     def fetch(schema_id: int) -> str | None:
+        if schema_id in unknown:
+            return None
         try:
             r = httpx.get(f"{url}/schemas/ids/{schema_id}", timeout=timeout_s)
         except httpx.HTTPError as exc:
             log.warning("schema registry %s unreachable for schema id %d: %s", url, schema_id, exc)
             return None
+        if r.status_code == 404:
+            unknown.add(schema_id)
         if r.status_code != 200:
             log.warning("schema registry %s: schema id %d: HTTP %d", url, schema_id, r.status_code)
             return None
