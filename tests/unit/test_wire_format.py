@@ -196,3 +196,42 @@ def test_an_unreachable_registry_resolves_nothing_and_refuses_registration():
         registry.decode("reward", b"\x00\x00\x00\x00\x63" + REWARD_BODY)
     with pytest.raises(schema_registry.RegistryError, match=re.escape("schema registry at http://127.0.0.1:1: Connect")):
         schema_registry.register("http://127.0.0.1:1", "BACKWARD")
+
+
+def test_the_resolver_asks_a_registry_once_per_id():
+    """A registry over HTTP (a local server with the Confluent API's ``/schemas/ids/{id}``): a
+    newer writer's id is fetched once and read; an id it answers 404 for is asked once."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked: list[str] = []
+
+    class Registry(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            found = self.path == "/schemas/ids/16"
+            body = json.dumps({"schema": _newer_reward()} if found else {"error_code": 40403}).encode()
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        registry = SchemaRegistry()
+        schema_registry.install(f"http://127.0.0.1:{server.server_port}", registry)
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, fastavro.parse_schema(json.loads(_newer_reward()), named_schemas={}),
+                                   {**REWARD, "schema_version": 2, "grader": "g"})
+        for _ in range(2):
+            assert registry.decode("reward", b"\x00\x00\x00\x00\x10" + buf.getvalue()) == {**REWARD, "schema_version": 2}
+            with pytest.raises(SchemaError, match="unknown schema id 17"):
+                registry.decode("reward", b"\x00\x00\x00\x00\x11" + buf.getvalue())
+        assert asked == ["/schemas/ids/16", "/schemas/ids/17"]
+    finally:
+        server.shutdown()
