@@ -235,3 +235,15 @@ def test_the_resolver_asks_a_registry_once_per_id():
         assert asked == ["/schemas/ids/16", "/schemas/ids/17"]
     finally:
         server.shutdown()
+
+
+def test_the_wheel_carries_the_schema_ids():
+    """An installed client's codec reads ``avro/registry_ids.json`` at import: the wheel's
+    package data names it beside the .avsc files."""
+    import fnmatch
+    import tomllib
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["spanrl.schemas"]
+    needed = [f"avro/{p.name}" for p in codec.AVRO_DIR.iterdir() if p.suffix in (".avsc", ".json")]
+    assert "avro/registry_ids.json" in needed
+    assert [n for n in needed if not any(fnmatch.fnmatch(n, g) for g in globs)] == []
