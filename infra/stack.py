@@ -1,4 +1,4 @@
-"""The local spanrl stack: Kafka (KRaft), MinIO, vLLM and spanrl's own services.
+"""The local spanrl stack: Kafka (KRaft), MinIO, a schema registry, vLLM and spanrl's own services.
 
 Each component is a process started with its log in ``<state_dir>/logs/<name>.log``
 and its pid in ``<state_dir>/pids/<name>.pid``; each has a health check. ``up`` starts
@@ -165,6 +165,20 @@ class Stack:
                 start_timeout_s=60,
             ),
             Component(
+                "schema-registry",
+                # Apicurio Registry's Quarkus distribution (infra/bootstrap.sh), schemas in memory
+                # (registered again at each start, with the same ids: spanrl/core/schema_registry.py);
+                # its management interface (health, metrics) moved off Quarkus's 0.0.0.0:9000
+                [str(self.registry_dir / "java"), "-Xms256m", "-Xmx512m",
+                 f"-Dquarkus.http.host={s.host}", f"-Dquarkus.http.port={s.schema_registry_port}",
+                 f"-Dquarkus.management.host={s.host}", f"-Dquarkus.management.port={s.schema_registry_port + 1}",
+                 "-jar", str(self.registry_dir / "quarkus-run.jar")],
+                health=lambda: _http_ok(f"{self.registry_local_url}/subjects"),
+                prepare=self._check_registry_install,
+                after_start=self.register_schemas,
+                start_timeout_s=120,
+            ),
+            Component(
                 "vllm",
                 py + ["spanrl.infra.vllm_server", *vllm_args(s)],
                 env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_SERVER_DEV_MODE": "1",
@@ -251,6 +265,34 @@ class Stack:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(1)
+
+    @property
+    def registry_dir(self) -> Path:
+        """Where infra/bootstrap.sh unpacked Apicurio Registry (with ``java``: a link to a Java >= 21)."""
+        return self.s.cache_dir / f"apicurio-registry-{self.s.schema_registry_version}"
+
+    @property
+    def registry_local_url(self) -> str:
+        """The Confluent-compatible API of the stack's own registry process."""
+        return f"http://{self.s.host}:{self.s.schema_registry_port}/apis/ccompat/v7"
+
+    def _check_registry_install(self) -> None:
+        for need, what in ((self.registry_dir / "quarkus-run.jar", "Apicurio Registry"),
+                           (self.registry_dir / "java", "a link to a Java >= 21")):
+            if not need.exists():
+                raise StackError(f"schema-registry: {need} ({what}) missing: run `make bootstrap` "
+                                 "(it needs a Java >= 21: Temurin 21 or newer, or the distribution's openjdk-21)")
+
+    def register_schemas(self) -> None:
+        """Register every schema of ``schemas/avro`` with ``SPANRL_SCHEMA_COMPATIBILITY``
+        (spanrl/core/schema_registry.py); StackError when the registry gives other ids than the
+        committed ones (records would name schemas the registry holds under other ids)."""
+        from spanrl.core import schema_registry
+
+        wrong = schema_registry.register(self.registry_local_url, self.s.schema_compatibility)
+        if wrong:
+            raise StackError("schema-registry assigned other ids than schemas/avro/registry_ids.json (a registry "
+                             "that held other schemas first?):\n  " + "\n  ".join(wrong))
 
     def create_buckets(self) -> None:
         """Create the checkpoint and payload buckets if missing."""
@@ -473,6 +515,7 @@ class Stack:
                  **{n: f"http://{s.host}:{p}" for n, p in zip(replica_names("stream", s.stream_workers),
                                                               s.faust_web_ports)},
                  "minio": f"http://{s.minio_endpoint}", "vllm": s.vllm_url, "proxy": s.proxy_url,
+                 "schema-registry": self.registry_local_url,
                  "trainer": f"http://{s.host}:{s.trainer_port}",
                  "reloader": f"http://{s.host}:{s.reloader_port}", "dashboard": s.dashboard_url}
         return [(n, self.running(n), self.healthy(n), where[n]) for n in self.components]

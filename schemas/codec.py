@@ -1,15 +1,27 @@
 """Avro encoding of spanrl records on Kafka.
 
-Wire format of every record value (what Kafka stores)::
+Wire format of every record value (what Kafka stores): the Confluent wire format
+(Confluent Schema Registry docs, "Wire format"), which Kafka Connect's AvroConverter,
+Flink's ``avro-confluent``, ksqlDB, kcat ``-s value=avro`` and confluent-kafka's
+``AvroDeserializer`` read::
 
-    byte 0      magic 0x53 ('S')
-    bytes 1..2  writer schema version, unsigned big-endian
-    bytes 3..   fastavro schemaless body written with ``<record>.v<version>.avsc``
+    byte 0      magic 0x00
+    bytes 1..4  writer schema id, unsigned big-endian (the schema registry's id)
+    bytes 5..   Avro binary body written with ``<record>.v<version>.avsc``
+
+The ids are committed in ``avro/registry_ids.json`` (``"<record>.v<N>": id``, append-only:
+a new schema takes the next id); the stack registers every schema in id order into an
+empty registry, which then assigns exactly these ids (spanrl/core/schema_registry.py checks
+it), so encoding needs no registry call. Records written before this format keep reading:
+magic ``0x53`` ('S') + a 2-byte writer schema version (:data:`LEGACY_MAGIC`).
 
 The reader resolves the writer schema against the newest schema of the record type
 (Avro schema resolution, Avro 1.11 spec "Schema Resolution"), so data written by an
 older version keeps reading as long as new fields carry defaults. Compatibility
-rule: a new version may add fields with defaults, never remove or retype one.
+rule: a new version may add fields with defaults, never remove or retype one. A schema id
+this checkout does not know (a newer writer's) is fetched once through
+:attr:`SchemaRegistry.resolver` when one is installed and read into the newest local
+version the same way.
 """
 from __future__ import annotations
 
@@ -20,13 +32,19 @@ import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import fastavro
 
 AVRO_DIR = Path(__file__).parent / "avro"
-MAGIC = 0x53
-_HEADER = struct.Struct(">BH")
+#: the committed schema ids: ``{"<record>.v<N>": id}``
+IDS_FILE = "registry_ids.json"
+#: Confluent wire format: magic 0, 4-byte big-endian schema id
+MAGIC = 0
+_HEADER = struct.Struct(">BI")
+#: the framing before the Confluent one: magic 0x53, 2-byte schema version
+LEGACY_MAGIC = 0x53
+_LEGACY_HEADER = struct.Struct(">BH")
 
 #: record type -> Avro full name
 RECORD_NAMES = {
@@ -62,10 +80,19 @@ class SchemaError(ValueError):
 class SchemaRegistry:
     """The versioned schemas of one directory (``<record>.v<N>.avsc`` files)."""
 
-    def __init__(self, directory: Path = AVRO_DIR):
+    def __init__(self, directory: Path = AVRO_DIR, resolver: Callable[[int], str | None] | None = None):
+        """``directory``'s ``registry_ids.json`` names the schema ids (that of ``schemas/avro``
+        when it has none); ``resolver(schema_id)`` returns the schema text of an id the map
+        does not hold, or None (a schema registry; see :meth:`decode`)."""
         self.directory = Path(directory)
         self._versions: dict[str, dict[int, Any]] = {}
         self._around: dict[tuple, tuple] = {}
+        ids_path = self.directory / IDS_FILE
+        self.ids: dict[tuple[str, int], int] = parse_ids(
+            (ids_path if ids_path.exists() else AVRO_DIR / IDS_FILE).read_text())
+        self._by_id = {i: key for key, i in self.ids.items()}
+        self.resolver = resolver
+        self._fetched: dict[int, tuple[str, Any]] = {}
 
     def versions(self, record_type: str) -> dict[int, Any]:
         """version -> parsed schema for ``record_type``; raises SchemaError if none."""
@@ -98,20 +125,38 @@ class SchemaRegistry:
         """Newest schema version of ``record_type`` (e.g. ``"span"``)."""
         return max(self.versions(record_type))
 
+    def schema_id(self, record_type: str, version: int) -> int:
+        """The schema id of ``<record_type>.v<version>`` (``registry_ids.json``); SchemaError if none."""
+        try:
+            return self.ids[(record_type, version)]
+        except KeyError:
+            raise SchemaError("schema_error", f"{record_type} v{version} has no schema id in "
+                                              f"{IDS_FILE}") from None
+
+    def registry_schema(self, record_type: str, version: int) -> str:
+        """The text a schema registry holds for ``<record_type>.v<version>``: the .avsc with
+        the record types it names (``_DEPENDS``) written inline where first used, since a
+        registry's reader parses each schema alone; compact JSON."""
+        return json.dumps(inline_schema(self._raw(record_type, version), {
+            RECORD_NAMES[dep]: self._raw(dep, dep_version)
+            for dep, dep_version in _DEPENDS.get(record_type, {}).get(version, {}).items()}),
+            separators=(",", ":"))
+
     def encode(self, record_type: str, record: dict, version: int | None = None) -> bytes:
         """Encode ``record`` as ``record_type`` (newest schema unless ``version``).
 
-        Returns header + Avro body. Raises :class:`SchemaError` (reason ``schema_error``)
+        Returns the 5-byte header (magic 0, schema id) + Avro body. Raises :class:`SchemaError` (reason ``schema_error``)
         when the record does not match the schema.
         """
         versions = self.versions(record_type)
         version = max(versions) if version is None else version
         if version not in versions:
             raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
+        schema_id = self.schema_id(record_type, version)
         record = {**record, "schema_version": version}
         _check_scalars(versions[version], record, record_type)
         buf = io.BytesIO()
-        buf.write(_HEADER.pack(MAGIC, version))
+        buf.write(_HEADER.pack(MAGIC, schema_id))
         try:
             fastavro.schemaless_writer(buf, versions[version], record, strict_allow_default=True)
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
@@ -145,11 +190,12 @@ class SchemaRegistry:
                 return fastavro.parse_schema({"type": "record", "name": name, "fields": fields}, named_schemas={})
             parts = self._around[key] = (nested, sub(raw["fields"][:i], "Before"), sub(raw["fields"][i + 1:], "After"))
         (nested_type, nested_version), before, after = parts
-        if len(encoded) < _HEADER.size or _HEADER.unpack_from(encoded, 0) != (MAGIC, nested_version):
+        if len(encoded) < _HEADER.size or \
+                _HEADER.unpack_from(encoded, 0) != (MAGIC, self.ids.get((nested_type, nested_version))):
             return None
         record = {**record, "schema_version": version}
         buf = io.BytesIO()
-        buf.write(_HEADER.pack(MAGIC, version))
+        buf.write(_HEADER.pack(MAGIC, self.schema_id(record_type, version)))
         try:
             for schema in (before, after):
                 fields = {f["name"] for f in schema["fields"]}
@@ -163,29 +209,100 @@ class SchemaRegistry:
         return buf.getvalue()
 
     def decode(self, record_type: str, data: bytes) -> dict:
-        """Decode bytes written by :meth:`encode` into the newest schema of ``record_type``.
+        """Decode bytes written by :meth:`encode` (or by the 0x53 framing before it) into the
+        newest schema of ``record_type``.
 
-        Raises :class:`SchemaError` with reason ``schema_error`` for a wrong header, an
-        unknown writer version, a body that does not parse or trailing bytes.
+        The writer schema: the local version the id names (``registry_ids.json``); an id
+        not there is asked of :attr:`resolver` once (then cached) and must be a schema of
+        this record's Avro name. Raises :class:`SchemaError` with reason ``schema_error`` for
+        a wrong header, an unknown schema id or version, an id of another record type, a
+        body that does not parse or trailing bytes.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < _HEADER.size:
-            raise SchemaError("schema_error", "record shorter than the 3-byte header")
-        magic, version = _HEADER.unpack_from(data, 0)
-        if magic != MAGIC:
-            raise SchemaError("schema_error", f"bad magic byte 0x{magic:02x}")
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) < 1:
+            raise SchemaError("schema_error", "empty record")
+        magic = data[0]
         versions = self.versions(record_type)
-        writer = versions.get(version)
-        if writer is None:
-            raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
-        body = bytes(data[_HEADER.size:])
+        if magic == MAGIC:
+            if len(data) < _HEADER.size:
+                raise SchemaError("schema_error", "record shorter than the 5-byte header")
+            schema_id = _HEADER.unpack_from(data, 0)[1]
+            key = self._by_id.get(schema_id)
+            if key is None:
+                label, writer = f"schema id {schema_id}", self._fetch(record_type, schema_id)
+            elif key[0] != record_type or key[1] not in versions:
+                raise SchemaError("schema_error", f"schema id {schema_id} is {key[0]} v{key[1]}, not a {record_type}")
+            else:
+                label, writer = f"v{key[1]}", versions[key[1]]
+            size = _HEADER.size
+        elif magic == LEGACY_MAGIC:
+            if len(data) < _LEGACY_HEADER.size:
+                raise SchemaError("schema_error", "record shorter than the 3-byte header")
+            version = _LEGACY_HEADER.unpack_from(data, 0)[1]
+            writer = versions.get(version)
+            if writer is None:
+                raise SchemaError("schema_error", f"{record_type} has no schema version {version}")
+            label, size = f"v{version}", _LEGACY_HEADER.size
+        else:
+            raise SchemaError("schema_error", f"bad magic byte 0x{magic:02x}")
+        body = bytes(data[size:])
         buf = io.BytesIO(body)
         try:
             record = fastavro.schemaless_reader(buf, writer, versions[max(versions)])
         except Exception as exc:  # fastavro raises many types on corrupt input
-            raise SchemaError("schema_error", f"{record_type} v{version}: {type(exc).__name__}: {exc}") from exc
+            raise SchemaError("schema_error", f"{record_type} {label}: {type(exc).__name__}: {exc}") from exc
         if buf.tell() != len(body):
-            raise SchemaError("schema_error", f"{record_type} v{version}: trailing bytes after record")
+            raise SchemaError("schema_error", f"{record_type} {label}: trailing bytes after record")
         return record
+
+    def _fetch(self, record_type: str, schema_id: int) -> Any:
+        """The parsed writer schema of an id not in the local map, from :attr:`resolver`."""
+        if schema_id not in self._fetched:
+            text = self.resolver(schema_id) if self.resolver is not None else None
+            if text is None:
+                raise SchemaError("schema_error", f"unknown schema id {schema_id}")
+            try:
+                raw = json.loads(text)
+                name, space = raw["name"], raw.get("namespace")
+                self._fetched[schema_id] = (f"{space}.{name}" if space and "." not in name else name,
+                                            fastavro.parse_schema(raw, named_schemas={}))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise SchemaError("schema_error", f"schema id {schema_id}: not an Avro record schema: {exc}") from exc
+        name, schema = self._fetched[schema_id]
+        if name != RECORD_NAMES[record_type]:
+            raise SchemaError("schema_error", f"schema id {schema_id} is {name}, not a {record_type}")
+        return schema
+
+
+def parse_ids(text: str) -> dict[tuple[str, int], int]:
+    """``registry_ids.json`` (``{"<record>.v<N>": id}``) as ``{(record, N): id}``; ValueError
+    for a malformed name, a non-positive id or an id given twice."""
+    out: dict[tuple[str, int], int] = {}
+    for name, schema_id in json.loads(text).items():
+        m = re.fullmatch(r"([a-z_]+)\.v(\d+)", name)
+        if not m or not isinstance(schema_id, int) or isinstance(schema_id, bool) or schema_id < 1:
+            raise ValueError(f"{IDS_FILE}: bad entry {name!r}: {schema_id!r}")
+        out[(m.group(1), int(m.group(2)))] = schema_id
+    if len(set(out.values())) != len(out):
+        raise ValueError(f"{IDS_FILE}: an id is given twice")
+    return out
+
+
+def inline_schema(schema: Any, named: Mapping[str, Any]) -> Any:
+    """``schema`` (parsed JSON) with each reference to a name of ``named`` replaced by that
+    schema at its first use (Avro 1.11 spec, "Names": a name may be used once defined), so
+    that the result parses alone."""
+    done: set[str] = set()
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, str) and node in named and node not in done:
+            done.add(node)
+            return walk(named[node])
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if isinstance(node, dict):
+            return {k: walk(v) if k in ("type", "fields", "items", "values") else v for k, v in node.items()}
+        return node
+    return walk(schema)
 
 
 def _check_scalars(avro: Any, value: Any, where: str) -> None:

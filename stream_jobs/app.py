@@ -30,7 +30,7 @@ import faust
 from mode.utils.objects import canonshortname
 
 from spanrl.core.settings import Settings, StreamSettings, check_environment, get_settings
-from spanrl.core import claims
+from spanrl.core import claims, schema_registry
 from spanrl.schemas import topics
 from spanrl.stream_jobs import assembly, faust_patches, grouping, joining
 from spanrl.stream_jobs.agent_assemble import Assembler, state_parked
@@ -248,6 +248,8 @@ def make_app(config: StreamConfig | None = None) -> faust.App:
     handlers and the web pages, each a unit of its own module reading one :class:`AppContext`."""
     cfg = config or StreamConfig.from_env()
     faust_patches.install()  # refuses a faust-streaming the patches were not verified against
+    # records of a schema id this checkout does not know (a newer writer's): ask the registry
+    schema_registry.install(get_settings().schema_registry_url)
     app = _faust_app(cfg)
     ctx = make_context(app, cfg)
     assembler, grouper, joiner, ticker = Assembler(ctx), Grouper(ctx), Joiner(ctx), Ticker(ctx)

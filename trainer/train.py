@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from spanrl.core import heap
+from spanrl.core import heap, schema_registry
 from spanrl.core import settings as env
 from spanrl.core.edge import service_credentials
 from spanrl.core.partitions import topic_partitions
@@ -1708,6 +1708,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in {"run": args.run, "base_dir": args.base_dir,
                                    "max_updates": args.max_updates}.items() if v is not None}
     cfg = TrainerConfig(**overrides)
+    # samples of a schema id this checkout does not know (a newer writer's): ask the registry
+    schema_registry.install(get_settings().schema_registry_url)
     if args.deepspeed_config:
         print(json.dumps(deepspeed_config(cfg.micro_batch, cfg.grad_clip, cfg.lr, cfg.weight_decay,
                                           gpu=args.gpu or None, zero_stage=cfg.zero_stage), indent=2))

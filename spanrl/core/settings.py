@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -262,6 +262,20 @@ class Settings(Section):
     dashboard_port: int = setting(18092, "the web dashboard (infra/dashboard)", readers="dashboard, stack")
     dashboard_max_rollouts: int = setting(5000, "rollouts the dashboard keeps in memory (the oldest seen is "
                                           "evicted; infra/dashboard/views.py)", readers="dashboard")
+    schema_registry_port: int = setting(18081, "the schema registry's HTTP API (Apicurio Registry; its "
+                                        "Confluent-compatible API under `/apis/ccompat/v7`)", readers="stack")
+    schema_registry_address: str = setting("", "where services and Kafka tools reach the schema registry when it "
+                                           "runs elsewhere: the root URL of its Confluent-compatible API; empty: "
+                                           "`http://host:schema_registry_port/apis/ccompat/v7`",
+                                           readers="stack, setup job, stream, trainer (ids unknown locally)")
+    schema_registry_version: str = setting("3.3.3", "the Apicurio Registry release the stack downloads "
+                                           "(`io.apicurio:apicurio-registry-app`, Maven Central) and runs",
+                                           readers="stack")
+    schema_compatibility: Literal["BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL",
+                                  "FULL_TRANSITIVE", "NONE"] = setting(
+        "BACKWARD", "the compatibility rule the registry checks each new schema version of a subject against "
+        "(Confluent's names; BACKWARD: a reader of the new version reads data of the one before)",
+        readers="stack, setup job")
 
     model_name: str = setting("policy", "served model name at vLLM and in spans", readers="proxy, stack, main job")
     model: str = setting("smollm2-135m", "the base policy, one of spanrl/core/model.py's MODELS (`smollm2-135m` | "
@@ -523,6 +537,13 @@ class Settings(Section):
     @property
     def dashboard_url(self) -> str:
         return f"http://{self.host}:{self.dashboard_port}"
+
+    @property
+    def schema_registry_url(self) -> str:
+        """The root of the registry's Confluent-compatible API (what kcat's ``-r`` and
+        confluent-kafka's ``SchemaRegistryClient`` take)."""
+        return (self.schema_registry_address or
+                f"http://{self.host}:{self.schema_registry_port}/apis/ccompat/v7").rstrip("/")
 
     @property
     def model_dir(self) -> Path:

@@ -142,7 +142,7 @@ def test_cluster_stack_components(tmp_path):
     from spanrl.infra.stack import Stack, replica_names
 
     st = Stack(Settings(state_dir=tmp_path, **CLUSTER_LAYOUT))
-    assert list(st.components) == ["kafka", "kafka2", "kafka3", "minio", "vllm", "bridge", "bridge2", "proxy",
+    assert list(st.components) == ["kafka", "kafka2", "kafka3", "minio", "schema-registry", "vllm", "bridge", "bridge2", "proxy",
                                    "stream", "stream2", "trainer", "reloader", "dashboard"]
     assert replica_names("stream", 1) == ["stream"]
     assert st.with_replicas(["stream", "bridge"]) == ["stream", "stream2", "bridge", "bridge2"]

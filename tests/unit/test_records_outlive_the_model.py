@@ -26,7 +26,7 @@ def test_records_written_by_the_old_versions_decode_under_the_new_reader():
     assert codec.latest_version("span") == 2
     for r in rows:
         data = bytes.fromhex(r["value_hex"])
-        assert data[:3] == bytes([codec.MAGIC, 0, r["version"]])
+        assert data[:3] == bytes([codec.LEGACY_MAGIC, 0, r["version"]])
         back = codec.decode(r["record"], data)
         expected = r["decoded"]
         if r["record"] == "span":

@@ -73,7 +73,7 @@ NEWER = {"span": (2, {}), "checkpoint": (2, {"event": "published", "detail": Non
 def test_round_trip(record_type):
     data = encode(record_type, RECORDS[record_type])
     version, added = NEWER.get(record_type, (1, {}))
-    assert data[0] == codec.MAGIC and data[1:3] == version.to_bytes(2, "big")
+    assert data[:5] == bytes([codec.MAGIC]) + codec.DEFAULT.schema_id(record_type, version).to_bytes(4, "big")
     back = decode(record_type, data)
     assert back["schema_version"] == version
     back.pop("schema_version")
@@ -117,7 +117,7 @@ def test_v1_transitions_and_samples_read_with_air_defaults():
     """Records written before AIR (transition v1, sample v1 embedding transition v1) decode
     into v2 with intermediate_reward 0 and no AIR rules; a v2 record keeps its values."""
     old_t = encode("transition", TRANSITION, version=1)
-    assert old_t[1:3] == b"\x00\x01"
+    assert old_t[:5] == b"\x00\x00\x00\x00\x07"  # Confluent framing, transition v1 = schema id 7
     back = decode("transition", old_t)
     assert (back["intermediate_reward"], back["air_rules"], back["schema_version"]) == (0.0, "", 1)
     old_s = encode("sample", RECORDS["sample"], version=1)
@@ -133,7 +133,7 @@ def test_v1_transitions_and_samples_read_with_air_defaults():
 def test_checkpoint_v1_records_read_as_published():
     """Announcements written before the release gate (v1) read as event=published."""
     old = encode("checkpoint", RECORDS["checkpoint"], version=1)
-    assert old[1:3] == b"\x00\x01"
+    assert old[:5] == b"\x00\x00\x00\x00\x0b"  # checkpoint v1 = schema id 11
     back = decode("checkpoint", old)
     assert back["event"] == "published" and back["detail"] is None and back["schema_version"] == 1
     gate = decode("checkpoint", encode("checkpoint", {**RECORDS["checkpoint"], "event": "refused", "detail": "{}"}))
@@ -155,7 +155,9 @@ def test_missing_required_field_is_schema_error():
     assert err.value.reason == "schema_error"
 
 
-@pytest.mark.parametrize("data", [b"", b"S", b"X\x00\x01abc", b"S\x00\x09abc", b"S\x00\x01\xff\xff\xff\xff\xff\xff"])
+@pytest.mark.parametrize("data", [b"", b"S", b"X\x00\x01abc", b"S\x00\x09abc", b"S\x00\x01\xff\xff\xff\xff\xff\xff",
+                                  b"\x00", b"\x00\x00\x00\x03", b"\x00\x00\x00\x00\x63abc", b"\x00\x00\x00\x00\x01abc",
+                                  b"\x00\x00\x00\x00\x03\xff\xff\xff\xff\xff\xff"])
 def test_corrupt_bytes_are_schema_errors(data):
     with pytest.raises(SchemaError):
         decode("reward", data)
@@ -173,6 +175,8 @@ def test_old_data_reads_with_a_newer_schema(tmp_path):
     v2 = json.loads((tmp_path / "reward.v1.avsc").read_text())
     v2["fields"].append({"name": "evaluator", "type": "string", "default": "unknown"})
     (tmp_path / "reward.v2.avsc").write_text(json.dumps(v2))
+    ids = json.loads((codec.AVRO_DIR / codec.IDS_FILE).read_text())
+    (tmp_path / codec.IDS_FILE).write_text(json.dumps({**ids, "reward.v2": max(ids.values()) + 1}))
     old = SchemaRegistry(codec.AVRO_DIR).encode("reward", RECORDS["reward"])
     new_registry = SchemaRegistry(tmp_path)
     back = new_registry.decode("reward", old)

@@ -166,8 +166,10 @@ def test_well_formed_records_round_trip(record_type, data):
 @given(st.data())
 @pytest.mark.parametrize("record_type", TYPES)
 def test_any_bytes_decode_or_schema_error(record_type, data):
-    header = bytes([codec.MAGIC, 0, 1])
-    raw = data.draw(st.binary(max_size=64) | st.binary(max_size=64).map(lambda b: header + b))
+    header = bytes([codec.MAGIC]) + codec.DEFAULT.schema_id(record_type, 1).to_bytes(4, "big")
+    legacy = bytes([codec.LEGACY_MAGIC, 0, 1])
+    raw = data.draw(st.binary(max_size=64) | st.binary(max_size=64).map(lambda b: header + b)
+                    | st.binary(max_size=64).map(lambda b: legacy + b))
     try:
         codec.decode(record_type, raw)
     except codec.SchemaError as exc:

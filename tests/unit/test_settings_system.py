@@ -183,6 +183,8 @@ def test_stack_wide_defaults():
         'payload_bucket': 'spanrl-payloads', 'vllm_port': 18000, 'bridge_port': 14318, 'bridge_grpc_port': 14317,
         'proxy_port': 18080, 'faust_web_port': 16066, 'stream_workers': 1, 'bridge_replicas': 1, 'reloader_port': 18090, 'trainer_port': 18091,
         'kafka_bootstrap_servers': '', 'minio_address': '', 'dashboard_port': 18092, 'dashboard_max_rollouts': 5000,
+        'schema_registry_port': 18081, 'schema_registry_address': '', 'schema_registry_version': '3.3.3',
+        'schema_compatibility': 'BACKWARD',
         'model_name': 'policy', 'model': 'smollm2-135m', 'base_model_dir': None, 'run': 'default', 'seed': 0, 'recipe': '',
         'vllm_tool_call_parser': 'hermes', 'vllm_chat_template': 'infra/chat_templates/smollm2_tools.jinja',
         'rollout_temperature': None,
