@@ -63,7 +63,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.core import claims, ids, production, response_ids
+from spanrl.core import call_order, claims, ids, production, response_ids
 from spanrl.core import metrics as prom
 from spanrl.core.edge import BadRequest
 from spanrl.core.settings import PROCESSED_LOGPROBS, ProducerSettings, TopicSettings, check_environment
@@ -408,6 +408,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         payload_bucket = get_settings().payload_bucket
     claim_client = claim_client or claims.make_client()
     seq = SequenceCounter(rollout_idle_s)
+    instance = secrets.token_hex(8)  # this process's id on its spans: whose counter numbered them
     policy = PolicyState(policy_version)
     train_topics: Topics = sink.topics
     eval_topics = eval_topics or Topics.evaluation()
@@ -583,6 +584,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         }
         if ctx.api:
             span["attributes"]["spanrl.api"] = ctx.api
+        span["attributes"][call_order.INSTANCE] = instance
         span["attributes"].update(ctx.attributes or {})
         return span
 

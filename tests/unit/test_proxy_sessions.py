@@ -67,3 +67,43 @@ def test_status_and_metrics_count_the_attempts_held():
     client = TestClient(app)
     assert client.get("/status").json()["sequence_attempts"] == 0
     assert "spanrl_proxy_sequence_attempts 0.0" in client.get("/metrics").text
+
+
+def test_a_session_moved_to_another_unit_keeps_its_call_order():
+    """Two proxy processes (two policy units) write one session's spans to one log (the
+    rollout's partition): two calls on the first unit, then, the unit failed, two on the
+    second. Each proxy numbers from 0 and stamps its instance; the assembler, reading the
+    log in order, emits the calls in the order they were made."""
+    import json
+    from pathlib import Path
+
+    import httpx
+
+    from spanrl.schemas import codec
+    from tests.unit.test_call_order import assemble
+    from tests.unit.test_producers_bridge import RecordingSink
+
+    answer = json.loads((Path(__file__).parent.parent / "fixtures" / "vllm_chat_completion.json").read_text())
+    log: list[tuple[str, str | None, bytes]] = []  # the rollout's partition of the spans topic
+    units = []
+    for _ in range(2):
+        sink = RecordingSink(Topics())
+        sink.sent = log
+        app = proxy.create_app(sink, "http://vllm", "policy", claim_client=object(), payload_bucket="b")
+        units.append(app)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for app, calls in zip(units, (2, 2)):
+        with TestClient(app) as client:
+            app.state.client = httpx.AsyncClient(
+                base_url="http://vllm", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=answer)))
+            for _ in range(calls):
+                assert client.post("/v1/chat/completions", json=body,
+                                   headers={"x-spanrl-rollout-id": "s1"}).status_code == 200
+    spans = [codec.decode("span", value) for _, _, value in log]
+    assert [s["sequence_id"] for s in spans] == [0, 1, 0, 1]
+    instances = [s["attributes"]["spanrl.proxy_instance"] for s in spans]
+    assert instances[0] == instances[1] != instances[2] == instances[3]
+    out = assemble("s1", "0", [(s, ("spans", 0, offset)) for offset, s in enumerate(spans)])
+    assert out.dead_letters == []
+    assert [t["span_id"] for t in out.transitions] == [s["span_id"] for s in spans]
+    assert [t["call_index"] for t in out.transitions] == [0, 1, 2, 3]
