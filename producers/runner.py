@@ -372,7 +372,7 @@ class Runner:
         One window remains: an attempt whose terminal event Kafka acknowledged just before the
         kill, its commit not yet made, runs again."""
         from aiokafka.admin import AIOKafkaAdminClient
-        from aiokafka.errors import CommitFailedError, IllegalStateError
+        from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
         tracker, results, inflight = _OffsetTracker(), [], set()
         resumed: dict[TopicPartition, dict[int, frozenset[int]]] = {}
@@ -394,19 +394,23 @@ class Runner:
                 resumed.pop(tp, None)
 
         async def assigned(tps: set) -> None:
-            if tps:
+            try:
                 committed = await self._retrying("committed offsets", lambda: admin.list_consumer_group_offsets(
-                    self.group_id, partitions=sorted(tps)))
-                for tp, meta in committed.items():
-                    progress = parse_progress(meta.metadata)
-                    if progress:
-                        resumed[tp] = progress
-                        log.info("partition %s: resuming tasks with finished attempts %s", tp, progress)
-            draining.clear()
+                    self.group_id, partitions=sorted(tps))) if tps else {}
+            except (KafkaError, OSError) as exc:
+                log.error("partitions %s: their commits unread (%s); finished attempts of tasks there may run "
+                          "again", sorted(tps), exc)
+                committed = {}
+            finally:
+                draining.clear()
+            for tp, meta in committed.items():
+                progress = parse_progress(meta.metadata)
+                if progress:
+                    resumed[tp] = progress
+                    log.info("partition %s: resuming tasks with finished attempts %s", tp, progress)
 
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group_id,
                                     enable_auto_commit=False, auto_offset_reset="earliest")
-        consumer.subscribe([self.topics.tasks.name], listener=_HandOver(revoked, assigned))
 
         async def commit(tp: TopicPartition, point: tuple[int, str] | None) -> None:
             """Commit ``point`` for ``tp`` (with the lock held); a partition that went to
@@ -447,29 +451,32 @@ class Runner:
                 task_slots.release()
 
         await admin.start()
-        await consumer.start()
         try:
-            while not stop_event.is_set() and (max_tasks is None or started < max_tasks):
-                await task_slots.acquire()
-                batch = await consumer.getmany(timeout_ms=500, max_records=1)
-                msgs = [m for ms in batch.values() for m in ms]
-                if not msgs or draining.is_set():  # fetched before a rebalance: the next owner reads it again
-                    task_slots.release()
-                    if idle_timeout_s is not None and time.monotonic() - last_msg > idle_timeout_s:
-                        break
-                    continue
-                last_msg = time.monotonic()
-                msg = msgs[0]
-                tp = TopicPartition(msg.topic, msg.partition)
-                tracker.start(tp, msg.offset, resumed.get(tp, {}).get(msg.offset, frozenset()))
-                started += 1
-                t = asyncio.create_task(handle(msg))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-            if inflight:
-                await asyncio.gather(*inflight)
+            await consumer.start()
+            consumer.subscribe([self.topics.tasks.name], listener=_HandOver(revoked, assigned))  # aiokafka's order
+            try:
+                while not stop_event.is_set() and (max_tasks is None or started < max_tasks):
+                    await task_slots.acquire()
+                    batch = await consumer.getmany(timeout_ms=500, max_records=1)
+                    msgs = [m for ms in batch.values() for m in ms]
+                    if not msgs or draining.is_set():  # fetched before a rebalance: the next owner reads it again
+                        task_slots.release()
+                        if idle_timeout_s is not None and time.monotonic() - last_msg > idle_timeout_s:
+                            break
+                        continue
+                    last_msg = time.monotonic()
+                    msg = msgs[0]
+                    tp = TopicPartition(msg.topic, msg.partition)
+                    tracker.start(tp, msg.offset, resumed.get(tp, {}).get(msg.offset, frozenset()))
+                    started += 1
+                    t = asyncio.create_task(handle(msg))
+                    inflight.add(t)
+                    t.add_done_callback(inflight.discard)
+                if inflight:
+                    await asyncio.gather(*inflight)
+            finally:
+                await consumer.stop()
         finally:
-            await consumer.stop()
             await admin.close()
             await self.sink.stop()
         return results

@@ -87,3 +87,131 @@ def test_run_task_skips_finished_attempts_and_reports_each_end():
     events = [v for topic, _, v in runner.sink.records if topic == runner.topics.rollouts.name]
     assert sorted(e["status"] for e in events) == ["started", "started", "succeeded", "succeeded"]
     assert asyncio.run(runner.run_task(task, frozenset(range(4)), finished)) == []
+
+
+# ---- Runner.run's hand-over logic on a scripted group (the consumer and the admin client
+# stand in for Kafka's group coordinator: what they return is scripted, what the runner does
+# with it is the code under test; tests/integration/test_two_runners.py runs it on Kafka)
+class Broker:
+    """The group's committed offsets and what the consumer will see, in order."""
+
+    def __init__(self, script: list, committed: dict | None = None):
+        self.script = list(script)  # ("msg", offset, task) | ("rebalance",)
+        self.committed = dict(committed or {})  # tp -> (offset, metadata)
+        self.log: list = []  # what happened, in order
+
+
+def fakes(broker: Broker):
+    from aiokafka.structs import OffsetAndMetadata
+
+    from spanrl.producers.kafka import Topics
+    from spanrl.schemas import codec
+
+    topics = Topics()
+
+    class Message:
+        def __init__(self, offset, task):
+            self.topic, self.partition, self.offset = TP.topic, TP.partition, offset
+            self.key, self.value = task["task_id"].encode(), codec.encode(topics.tasks.record, task)
+
+    class Consumer:
+        def __init__(self, **kwargs):
+            self.listener = None
+            self.assigned = False
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+        def subscribe(self, topics, listener):
+            self.listener = listener
+
+        async def getmany(self, timeout_ms, max_records):
+            if not self.assigned:  # the first poll joins the group
+                self.assigned = True
+                await self.listener.on_partitions_assigned({TP})
+                broker.log.append("assigned")
+            if not broker.script:
+                await asyncio.sleep(timeout_ms / 1000)
+                return {}
+            step = broker.script.pop(0)
+            if step[0] == "rebalance":
+                await asyncio.sleep(0.05)  # the attempts under way get going
+                broker.log.append("revoking")
+                await self.listener.on_partitions_revoked({TP})
+                broker.log.append("revoked")
+                await self.listener.on_partitions_assigned({TP})
+                return {}
+            return {TP: [Message(step[1], step[2])]}
+
+        async def commit(self, offsets):
+            for tp, point in offsets.items():
+                broker.committed[tp] = point
+                broker.log.append(("commit", *point))
+
+    class Admin:
+        def __init__(self, **kwargs):
+            pass
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+        async def list_consumer_group_offsets(self, group_id, partitions=None):
+            return {tp: OffsetAndMetadata(*broker.committed[tp]) for tp in partitions or [] if tp in broker.committed}
+
+    return Consumer, Admin
+
+
+def run_runner(monkeypatch, broker: Broker, sleep_s: float = 0.0, idle_s: float = 0.3):
+    from aiokafka import admin
+
+    from spanrl.producers import runner as runner_module
+
+    consumer, admin_client = fakes(broker)
+    monkeypatch.setattr(runner_module, "AIOKafkaConsumer", consumer)
+    monkeypatch.setattr(admin, "AIOKafkaAdminClient", admin_client)
+
+    async def agent(ctx):
+        await asyncio.sleep(sleep_s)
+        return 1.0
+
+    r = Runner(agent, settings=Settings(_env_file=None), telemetry=False, concurrency=4)
+    r.sink = AckingSink()
+    return asyncio.run(r.run(idle_timeout_s=idle_s))
+
+
+def task(task_id: str, group_size: int = 4) -> dict:
+    return {"task_id": task_id, "payload": "{}", "group_size": group_size, "timeout_s": 10.0, "created_ms": 1}
+
+
+def test_a_new_owner_runs_only_the_attempts_not_finished(monkeypatch):
+    """A runner killed mid-task committed task 5 with its attempts 0 and 2 finished: the next
+    owner runs attempts 1 and 3 of it, then task 6 whole, committing after each attempt."""
+    broker = Broker([("msg", 5, task("t5")), ("msg", 6, task("t6", 2))],
+                    committed={TP: (5, '{"attempts_done":{"5":[0,2]}}')})
+    results = run_runner(monkeypatch, broker)
+    assert [[r.status for r in rs] for rs in results] == [["succeeded"] * 2, ["succeeded"] * 2]
+    assert [len(rs) for rs in results] == [2, 2] and [rs[0].task_id for rs in results] == ["t5", "t6"]
+    commits = [e for e in broker.log if e != "assigned"]
+    assert commits[0] == ("commit", 5, '{"attempts_done":{"5":[0,1,2]}}') or \
+        commits[0] == ("commit", 5, '{"attempts_done":{"5":[0,2,3]}}')
+    assert ("commit", 5, '{"attempts_done":{"5":[0,1,2,3]}}') in commits  # all four, before the task's end
+    assert commits[-1] == ("commit", 7, "") and broker.committed[TP] == (7, "")
+
+
+def test_a_rebalance_waits_for_the_tasks_in_flight(monkeypatch):
+    """Partitions are revoked while two tasks run: the runner finishes and commits both before
+    it lets them go, and starts nothing meanwhile."""
+    broker = Broker([("msg", 0, task("t0", 2)), ("msg", 1, task("t1", 2)), ("rebalance",),
+                     ("msg", 2, task("t2", 1))])
+    results = run_runner(monkeypatch, broker, sleep_s=0.3, idle_s=1.5)  # the drain is no idle time
+    assert sorted(rs[0].task_id for rs in results) == ["t0", "t1", "t2"]
+    revoking, revoked = broker.log.index("revoking"), broker.log.index("revoked")
+    during = broker.log[revoking + 1:revoked]
+    assert ("commit", 2, "") in during  # both tasks done and committed before the partition went
+    assert broker.log[-1] == ("commit", 3, "")
