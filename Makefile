@@ -9,7 +9,7 @@ ifdef MODEL
 export SPANRL_MODEL := $(MODEL)
 endif
 
-.PHONY: bootstrap demo train study test test-slow test-unit docs up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak
+.PHONY: bootstrap demo train study test test-slow test-unit docs up down status bench bench-sustained bench-rate bench-vllm-lora bench-tree-pack chaos soak gpu-check
 
 bootstrap:
 	@bash infra/bootstrap.sh
@@ -90,3 +90,9 @@ soak: bootstrap
 ## Fault injection: SIGKILL each component mid-run, prove nothing lost or duplicated (results/chaos.json).
 chaos: bootstrap
 	$(PY) -m spanrl.infra.cli chaos $(ARGS)
+
+## On a machine with one NVIDIA GPU, offline (no bootstrap): vLLM's CUDA build serving the model
+## from the spanrl cache, one trainer update (NCCL, bf16), a weight reload, tokens/s; <= 8 min;
+## says what is missing first (docs/operations.md). ARGS="--cpu": the same steps on CPU.
+gpu-check:
+	$(PY) -m bench.gpu_check $(ARGS)

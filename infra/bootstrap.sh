@@ -144,6 +144,21 @@ else
   log "Chromium + chromedriver installed ($(/usr/bin/chromium --version 2>/dev/null | head -1))"
 fi
 
+# --- nginx for the load balancer's routing test -------------------------------------
+# Debian's nginx-light: tests/unit/test_load_balancer.py runs the deployment's nginx configs
+# (infra/deploy) on ephemeral ports in front of two test servers. Needs root (CI is).
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "nginx: apt-get install nginx-light"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null
+  else
+    log "WARNING: nginx missing and not root: tests/unit/test_load_balancer.py will fail (as root: apt-get install -y nginx-light)"
+  fi
+else
+  log "nginx installed ($("$(command -v nginx || echo /usr/sbin/nginx)" -v 2>&1))"
+fi
+
 # --- Node packages: the JavaScript OTLP/JSON exporter test and the Node agent example --
 # tests/integration/test_otlp_json_node.py runs the OpenTelemetry JS SDK's default exporter
 # (OTLP/JSON) against the stack's bridge, tests/integration/test_node_agent.py the Node agent of

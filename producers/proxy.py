@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -58,13 +57,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+import cachetools
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr
 
-from spanrl.core import claims, ids, production, response_ids
+from spanrl.core import call_order, claims, ids, production, response_ids
 from spanrl.core import metrics as prom
 from spanrl.core.edge import BadRequest, Credentials, bearer_headers
 from spanrl.core.settings import PROCESSED_LOGPROBS, ProducerSettings, TopicSettings, check_environment
@@ -250,13 +250,29 @@ def parse_traceparent(header: str | None) -> tuple[str, str] | None:
 
 
 class SequenceCounter:
-    """Per (rollout_id, attempt_id) sequence numbers, from 0 (one proxy process)."""
+    """Per (rollout_id, attempt_id) sequence numbers, from 0 (one proxy process; the load
+    balancer keeps an attempt's calls on one unit, infra/deploy/nginx.conf).
 
-    def __init__(self) -> None:
-        self._counters: dict[tuple[str, str], itertools.count] = {}
+    An attempt with no call for ``idle_s`` (``SPANRL_PROXY_ROLLOUT_IDLE_S``) is forgotten, so
+    the proxy's memory follows the attempts in flight, not every attempt it ever served. A
+    call after that would count from 0 again; the stream job has ended such an attempt by
+    then (``rollout_timeout_s`` / ``production_idle_s`` after its last input, both shorter
+    than the default idle time) and dead-letters the call as ``late_span`` whatever its
+    sequence id. ``timer``: the clock of the idle time (monotonic seconds)."""
+
+    def __init__(self, idle_s: float = math.inf, timer: Callable[[], float] = time.monotonic) -> None:
+        self._next: cachetools.TTLCache = cachetools.TTLCache(maxsize=math.inf, ttl=idle_s, timer=timer)
 
     def next(self, rollout_id: str, attempt_id: str) -> int:
-        return next(self._counters.setdefault((rollout_id, attempt_id), itertools.count()))
+        key = (rollout_id, attempt_id)
+        n = self._next.get(key, 0)
+        self._next[key] = n + 1  # (re)sets the attempt's idle deadline
+        return n
+
+    def __len__(self) -> int:
+        """Attempts remembered now (idle ones dropped first)."""
+        self._next.expire()
+        return len(self._next)
 
 
 def vllm_lost(exc: Exception) -> bool:
@@ -373,7 +389,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
                credentials: Credentials | SecretStr | str | None = None, claim_client=None,
                payload_bucket: str | None = None, eval_topics: Topics | None = None,
                rollout_temperature: float | None = None, reloader_token: SecretStr | str | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, rollout_idle_s: float = math.inf) -> FastAPI:
     """The proxy app. ``reloader_url``: asked for the policy version at start-up and every
     ``follow_s`` while the proxy is unsynced or has not heard from it (None: never).
     ``credentials``: what every route but ``GET /health`` requires (None: open; spanrl/core/edge.py
@@ -389,7 +405,9 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     training or production route is sampled at, with :data:`NEUTRAL_SAMPLING` for the fields
     the call leaves unset (:func:`untrainable_sampling` refusals: 400
     ``untrainable_sampling``), once vLLM is known to return processed log-probs
-    (:func:`logprobs_mode_problem`; else 503 ``vllm_logprobs_mode``); None: the client's own."""
+    (:func:`logprobs_mode_problem`; else 503 ``vllm_logprobs_mode``); None: the client's own.
+    ``rollout_idle_s`` (``SPANRL_PROXY_ROLLOUT_IDLE_S``): how long an attempt's sequence
+    counter outlives its last call (:class:`SequenceCounter`)."""
     metrics: Counter[str] = Counter()
     if payload_bucket is None:
         from spanrl.core.settings import get_settings
@@ -399,7 +417,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         max_body_bytes = ProducerSettings().proxy_max_body_bytes
     claim_client = claim_client or claims.make_client()
     capture, tokenizer = call_content_settings()
-    seq = SequenceCounter()
+    seq = SequenceCounter(rollout_idle_s)
+    instance = secrets.token_hex(8)  # this process's id on its spans: whose counter numbered them
     policy = PolicyState(policy_version)
     train_topics: Topics = sink.topics
     eval_topics = eval_topics or Topics.evaluation()
@@ -454,7 +473,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     registry = prom.registry(lambda: [
         *prom.count_families("proxy", metrics, PLAIN_COUNTERS),
         prom.gauge("spanrl_proxy_policy_version", "policy version the proxy stamps on calls", policy.version),
-        prom.gauge("spanrl_proxy_policy_synced", "1 when the served policy version is known", policy.synced)])
+        prom.gauge("spanrl_proxy_policy_synced", "1 when the served policy version is known", policy.synced),
+        prom.gauge("spanrl_proxy_sequence_attempts", "attempts whose sequence counter the proxy holds", len(seq))])
     upstream_s = prom.latency_histogram(registry, "spanrl_proxy_upstream_seconds",
                                         "vLLM's time per call: request sent to answer (streamed: to its last event)",
                                         ("endpoint", "stream"))
@@ -575,6 +595,7 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
         }
         if ctx.api:
             span["attributes"]["spanrl.api"] = ctx.api
+        span["attributes"][call_order.INSTANCE] = instance
         span["attributes"].update(ctx.attributes or {})
         return span
 
@@ -748,7 +769,8 @@ def create_app(sink: Sink, vllm_url: str, model_name: str, policy_version: int =
     @app.get("/status")
     async def status() -> dict:
         """The counters as JSON (``http_<status>``, reasons, ``dead_letter.<reason>``, ...)."""
-        return {**metrics, "policy_version": policy.version, "policy_synced": int(policy.synced)}
+        return {**metrics, "policy_version": policy.version, "policy_synced": int(policy.synced),
+                "sequence_attempts": len(seq)}
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -929,7 +951,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(Sink(a.kafka_bootstrap, topics, send_timeout_s=s.kafka_send_timeout_s), a.vllm_url,
                      a.model_name, a.policy_version, reloader_url=a.reloader_url.rstrip("/") or None,
                      credentials=service_credentials(s, "proxy", log), eval_topics=eval_topics,
-                     rollout_temperature=s.rollout_temperature, reloader_token=s.admin_token)
+                     rollout_temperature=s.rollout_temperature, reloader_token=s.admin_token,
+                     rollout_idle_s=ProducerSettings().proxy_rollout_idle_s)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

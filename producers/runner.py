@@ -5,7 +5,10 @@ Each attempt gets a fresh ``rollout_id`` and publishes its lifecycle on ``rollou
 :class:`RolloutContext` whose ``base_url`` is the proxy's per-rollout OpenAI URL (with
 ``api_key`` to use there: the proxy's bearer token when ``SPANRL_AUTH_TOKEN`` is set), and
 runs inside :func:`spanrl.producers.instrument.rollout_context`, so its OTel spans are stamped.
-A task's offset is committed only after all its attempts published a terminal event.
+A task's offset is committed only after all its attempts published a terminal event; each
+attempt's end commits the attempts finished so far in the commit's metadata, so that runners
+sharing the consumer group hand tasks over without running a finished attempt again
+(:meth:`Runner.run`).
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from spanrl.core.edge import token_value
 from spanrl.producers import instrument, seeding
@@ -116,24 +119,97 @@ async def publish_tasks(tasks: list[dict], bootstrap: str | None = None, topics:
     return [r["task_id"] for r in records]
 
 
+#: Kafka's default limit on a commit's metadata (broker ``offset.metadata.max.bytes``)
+COMMIT_METADATA_MAX = 4096
+
+
+def progress_metadata(done: dict[int, set[int]], limit: int = COMMIT_METADATA_MAX) -> str:
+    """A partition commit's metadata: the finished attempt indices of the tasks at or past the
+    committed offset (``{offset: indices}``), as compact JSON, nearest offsets first; offsets
+    that would take it past ``limit`` bytes are left out (their finished attempts would run
+    again after a hand-over)."""
+    kept: dict[str, list[int]] = {}
+    for offset in sorted(done):
+        if not done[offset]:
+            continue
+        trial = {**kept, str(offset): sorted(done[offset])}
+        if len(json.dumps({"attempts_done": trial}, separators=(",", ":"))) > limit:
+            break
+        kept = trial
+    return json.dumps({"attempts_done": kept}, separators=(",", ":")) if kept else ""
+
+
+def parse_progress(metadata: str | None) -> dict[int, frozenset[int]]:
+    """:func:`progress_metadata`'s ``{offset: indices}`` back; {} for none or for metadata
+    another client wrote."""
+    try:
+        raw = json.loads(metadata)["attempts_done"] if metadata else {}
+        return {int(o): frozenset(int(i) for i in idx) for o, idx in raw.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
 class _OffsetTracker:
-    """Commit offset per partition = one past the longest prefix of finished tasks."""
+    """Per partition of the tasks topic: the commit offset = one past the longest prefix of
+    finished tasks, and the attempts finished of the tasks after it (the commit's metadata,
+    :func:`progress_metadata`), so that a runner taking the partition over runs only the
+    attempts that did not finish."""
 
     def __init__(self) -> None:
         self.pending: dict[TopicPartition, list[int]] = {}
         self.done: dict[TopicPartition, set[int]] = {}
+        self.attempts: dict[TopicPartition, dict[int, set[int]]] = {}
 
-    def start(self, tp: TopicPartition, offset: int) -> None:
+    def start(self, tp: TopicPartition, offset: int, done_before: frozenset[int] = frozenset()) -> None:
+        """Task at ``offset`` started; ``done_before``: its attempts a previous owner finished."""
         self.pending.setdefault(tp, []).append(offset)
+        if done_before:
+            self.attempts.setdefault(tp, {})[offset] = set(done_before)
+
+    def attempt_done(self, tp: TopicPartition, offset: int, index: int) -> tuple[int, str]:
+        """Attempt ``index`` of the task at ``offset`` finished: the partition's commit now,
+        (offset, metadata). The offset stays at the first unfinished task."""
+        self.attempts.setdefault(tp, {}).setdefault(offset, set()).add(index)
+        return self.commit_point(tp)
 
     def finish(self, tp: TopicPartition, offset: int) -> int | None:
+        """The task at ``offset`` finished: the new commit offset when the finished prefix grew."""
         self.done.setdefault(tp, set()).add(offset)
         commit = None
         pend = self.pending[tp]
         while pend and pend[0] in self.done[tp]:
             self.done[tp].discard(pend[0])
+            self.attempts.get(tp, {}).pop(pend[0], None)
             commit = pend.pop(0) + 1
         return commit
+
+    def commit_point(self, tp: TopicPartition) -> tuple[int, str] | None:
+        """(offset, metadata) to commit for ``tp``: the first unfinished task and the attempts
+        finished at or past it; None when no task of ``tp`` is pending."""
+        pend = self.pending.get(tp)
+        if not pend:
+            return None
+        return pend[0], progress_metadata({o: a for o, a in self.attempts.get(tp, {}).items() if o >= pend[0]})
+
+    def forget(self, tps) -> None:
+        """The partitions went to another runner (after their tasks were drained)."""
+        for tp in tps:
+            self.pending.pop(tp, None)
+            self.done.pop(tp, None)
+            self.attempts.pop(tp, None)
+
+
+class _HandOver(ConsumerRebalanceListener):
+    """aiokafka's rebalance callbacks, to the runner's consumer loop (:meth:`Runner.run`)."""
+
+    def __init__(self, revoked: Callable[[set], Awaitable[None]], assigned: Callable[[set], Awaitable[None]]):
+        self._revoked, self._assigned = revoked, assigned
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self._revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        await self._assigned(set(assigned))
 
 
 class Runner:
@@ -257,9 +333,19 @@ class Runner:
         log.info("task %s rollout %s: %s%s", ctx.task_id, rollout_id, status, f" ({error})" if error else "")
         return AttemptResult(ctx.task_id, rollout_id, attempt_id, status, error, result)
 
-    async def run_task(self, task: dict) -> list[AttemptResult]:
+    async def run_task(self, task: dict, skip: frozenset[int] = frozenset(),
+                       finished: Callable[[int], Awaitable[None]] | None = None) -> list[AttemptResult]:
+        """The task's attempts (indices ``0 .. group_size - 1``) but those in ``skip`` (finished
+        by a previous owner of its partition), at once; ``finished(index)`` is awaited after
+        each attempt's terminal event."""
         n = int(task.get("group_size") or self.group_size_default)
-        return list(await asyncio.gather(*(self.run_attempt(task, k) for k in range(n))))
+
+        async def attempt(k: int) -> AttemptResult:
+            result = await self.run_attempt(task, k)
+            if finished is not None:
+                await finished(k)
+            return result
+        return list(await asyncio.gather(*(attempt(k) for k in range(n) if k not in skip)))
 
     async def run_tasks(self, tasks: list[dict]) -> list[list[AttemptResult]]:
         """Run a fixed batch of Task dicts directly (no tasks topic, no consumer group)."""
@@ -272,17 +358,72 @@ class Runner:
     async def run(self, max_tasks: int | None = None, stop_event: asyncio.Event | None = None,
                   idle_timeout_s: float | None = None) -> list[list[AttemptResult]]:
         """Consume tasks until ``max_tasks`` are done, ``stop_event`` is set or no task came
-        for ``idle_timeout_s``; in-flight tasks are finished and committed before returning."""
-        consumer = AIOKafkaConsumer(self.topics.tasks.name, bootstrap_servers=self.bootstrap,
-                                    group_id=self.group_id, enable_auto_commit=False,
-                                    auto_offset_reset="earliest")
-        await consumer.start()
+        for ``idle_timeout_s``; in-flight tasks are finished and committed before returning.
+
+        Several runners share the consumer group (``group_id``). After each attempt's terminal
+        event the runner commits its partition: the offset of the first unfinished task, with
+        the attempts finished past it in the commit's metadata (:class:`_OffsetTracker`). When
+        the group rebalances (a runner joins or leaves), the runner finishes the tasks it has
+        in flight before it lets its partitions go (aiokafka's ``on_partitions_revoked``), so
+        the next owner starts after them; on being assigned partitions it reads their commits'
+        metadata and, of the tasks there, runs only the attempts not finished. A runner killed
+        mid-task leaves its unfinished attempts ``started`` (the stream job times them out);
+        the next owner runs those attempts again under new rollout ids, the finished ones not.
+        One window remains: an attempt whose terminal event Kafka acknowledged just before the
+        kill, its commit not yet made, runs again."""
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+
         tracker, results, inflight = _OffsetTracker(), [], set()
+        resumed: dict[TopicPartition, dict[int, frozenset[int]]] = {}
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
         task_slots = asyncio.Semaphore(max(1, self.concurrency))
         commit_lock = asyncio.Lock()
+        draining = asyncio.Event()  # a rebalance is under way: start nothing
         started = 0
         stop_event = stop_event or asyncio.Event()
         last_msg = time.monotonic()
+
+        async def revoked(tps: set) -> None:
+            draining.set()
+            if inflight:
+                log.info("rebalance: finishing %d task(s) before partitions %s go", len(inflight), sorted(tps))
+                await asyncio.gather(*list(inflight), return_exceptions=True)
+            tracker.forget(tps)
+            for tp in tps:
+                resumed.pop(tp, None)
+
+        async def assigned(tps: set) -> None:
+            try:
+                committed = await self._retrying("committed offsets", lambda: admin.list_consumer_group_offsets(
+                    self.group_id, partitions=sorted(tps))) if tps else {}
+            except (KafkaError, OSError) as exc:
+                log.error("partitions %s: their commits unread (%s); finished attempts of tasks there may run "
+                          "again", sorted(tps), exc)
+                committed = {}
+            finally:
+                draining.clear()
+            for tp, meta in committed.items():
+                progress = parse_progress(meta.metadata)
+                if progress:
+                    resumed[tp] = progress
+                    log.info("partition %s: resuming tasks with finished attempts %s", tp, progress)
+
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group_id,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
+
+        async def commit(tp: TopicPartition, point: tuple[int, str] | None) -> None:
+            """Commit ``point`` for ``tp`` (with the lock held); a partition that went to
+            another runner meanwhile is not committed (that runner resumes from the last commit)."""
+            if point is None:
+                return
+
+            async def op() -> None:
+                try:
+                    await consumer.commit({tp: point})
+                except (CommitFailedError, IllegalStateError) as exc:
+                    log.warning("commit %s@%s refused (%s): the partition moved to another runner", tp, point, exc)
+            await self._retrying(f"commit {tp.topic}:{tp.partition}@{point}", op)
 
         async def handle(msg) -> None:
             tp = TopicPartition(msg.topic, msg.partition)
@@ -296,35 +437,46 @@ class Runner:
                         "rollout_id": None, "task_id": msg.key.decode(errors="replace") if msg.key else None,
                         "payload": msg.value, "timestamp_ms": now_ms()})])
                 else:
-                    results.append(await self.run_task(task))
+                    async def finished(index: int) -> None:
+                        async with commit_lock:
+                            await commit(tp, tracker.attempt_done(tp, msg.offset, index))
+                    skip = resumed.get(tp, {}).get(msg.offset, frozenset())
+                    ran = await self.run_task(task, skip, finished)
+                    if ran:  # [] when a previous owner finished every attempt
+                        results.append(ran)
                 async with commit_lock:
-                    commit = tracker.finish(tp, msg.offset)
-                    if commit is not None:
-                        await self._retrying(f"commit {tp.topic}:{tp.partition}@{commit}",
-                                             lambda: consumer.commit({tp: commit}))
+                    if (offset := tracker.finish(tp, msg.offset)) is not None:  # with the later tasks' progress
+                        await commit(tp, tracker.commit_point(tp) or (offset, ""))
             finally:
                 task_slots.release()
 
+        await admin.start()
         try:
-            while not stop_event.is_set() and (max_tasks is None or started < max_tasks):
-                await task_slots.acquire()
-                batch = await consumer.getmany(timeout_ms=500, max_records=1)
-                msgs = [m for ms in batch.values() for m in ms]
-                if not msgs:
-                    task_slots.release()
-                    if idle_timeout_s is not None and time.monotonic() - last_msg > idle_timeout_s:
-                        break
-                    continue
-                last_msg = time.monotonic()
-                msg = msgs[0]
-                tracker.start(TopicPartition(msg.topic, msg.partition), msg.offset)
-                started += 1
-                t = asyncio.create_task(handle(msg))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-            if inflight:
-                await asyncio.gather(*inflight)
+            await consumer.start()
+            consumer.subscribe([self.topics.tasks.name], listener=_HandOver(revoked, assigned))  # aiokafka's order
+            try:
+                while not stop_event.is_set() and (max_tasks is None or started < max_tasks):
+                    await task_slots.acquire()
+                    batch = await consumer.getmany(timeout_ms=500, max_records=1)
+                    msgs = [m for ms in batch.values() for m in ms]
+                    if not msgs or draining.is_set():  # fetched before a rebalance: the next owner reads it again
+                        task_slots.release()
+                        if idle_timeout_s is not None and time.monotonic() - last_msg > idle_timeout_s:
+                            break
+                        continue
+                    last_msg = time.monotonic()
+                    msg = msgs[0]
+                    tp = TopicPartition(msg.topic, msg.partition)
+                    tracker.start(tp, msg.offset, resumed.get(tp, {}).get(msg.offset, frozenset()))
+                    started += 1
+                    t = asyncio.create_task(handle(msg))
+                    inflight.add(t)
+                    t.add_done_callback(inflight.discard)
+                if inflight:
+                    await asyncio.gather(*inflight)
+            finally:
+                await consumer.stop()
         finally:
-            await consumer.stop()
+            await admin.close()
             await self.sink.stop()
         return results

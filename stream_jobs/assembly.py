@@ -51,7 +51,8 @@ ends at its first final reward, at an explicit end (a lifecycle event from the b
 finished like any attempt.
 
 Calls: spans with ``kind == "llm"`` recorded by the LLM proxy (``source == "proxy"``) or
-carrying token data (``llm`` set), ordered by ``(sequence_id, span_id)``. Every other span
+carrying token data (``llm`` set), ordered by ``(sequence_id, span_id)``, or by their span
+records' offsets when two proxy processes numbered them (spanrl/core/call_order.py). Every other span
 (the agent framework's own telemetry, via the bridge) is kept as a *link* (its parent span
 id and the agent name it carries), so that when the attempt ends each call's agent is
 resolved (:func:`resolve_agent`): the name the call itself carries (the proxy's
@@ -106,7 +107,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import MutableMapping
 
-from spanrl.core import production, response_ids
+from spanrl.core import call_order, production, response_ids
 from spanrl.core import dead_letters as dl
 from spanrl.core.settings import StreamSettings
 from spanrl.stream_jobs import air
@@ -387,6 +388,8 @@ def add_span(state: dict, span: dict, store: MutableMapping, config: AssemblyCon
     a["calls"][sid] = {"sequence_id": int(span["sequence_id"]), "agent_name": span.get("agent_name"),
                        "parent": span.get("parent_span_id") or response_ids.call_link(span.get("attributes")),
                        "end_ns": span.get("end_time_unix_nano")}
+    if (instance := (span.get("attributes") or {}).get(call_order.INSTANCE)) is not None:
+        a["calls"][sid]["instance"] = instance  # the proxy process that numbered it
     if at is not None:
         a["calls"][sid]["at"] = list(at)
     if at is None or a.get("parked_ms") is None:  # a parked attempt holds no token data
@@ -724,10 +727,9 @@ def resolved_agents(a: dict) -> dict[str, tuple[str | None, str]]:
 def selected_calls(a: dict, agents: AgentSelector | None = None,
                    resolved: dict[str, tuple[str | None, str]] | None = None) -> list[str]:
     """Span ids of an attempt's calls that train under ``agents`` (None: all), in call order
-    (sequence_id, then span_id)."""
+    (spanrl/core/call_order.py: sequence_id, then span_id, unless two proxies numbered them)."""
     resolved = resolved if resolved is not None else resolved_agents(a)
-    return sorted((sid for sid in a["calls"] if selects(agents, resolved[sid][0])),
-                  key=lambda sid: (a["calls"][sid]["sequence_id"], sid))
+    return [sid for sid in call_order.call_order(a["calls"]) if selects(agents, resolved[sid][0])]
 
 
 def call_account(rid: str, aid: str, a: dict, outcome: str, trained: frozenset, config: AssemblyConfig,
@@ -737,7 +739,7 @@ def call_account(rid: str, aid: str, a: dict, outcome: str, trained: frozenset, 
     | ``unresolved``) and whether it became a transition; ``outcome`` is ``emitted`` or the
     attempt's dead-letter reason."""
     resolved = resolved if resolved is not None else resolved_agents(a)
-    order = sorted(a["calls"], key=lambda sid: (a["calls"][sid]["sequence_id"], sid))
+    order = call_order.call_order(a["calls"])
     return {
         "schema_version": 1, "rollout_id": rid, "attempt_id": aid, "task_id": a["task_id"],
         "outcome": outcome, "selection": describe_selection(config.agents),

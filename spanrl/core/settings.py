@@ -580,6 +580,17 @@ class ProducerSettings(Section):
                                      "only, and then no new reward can read the text, no export has `messages` and "
                                      "no other model can be trained from these calls (docs/replay.md)",
                                      readers="proxy")
+    proxy_rollout_idle_s: float = setting(1800.0, "how long the proxy keeps an attempt's sequence counter after "
+                                          "its last call; longer than `SPANRL_ROLLOUT_TIMEOUT_S` and "
+                                          "`SPANRL_PRODUCTION_IDLE_S`, after which the stream job has ended the "
+                                          "attempt", unit="s", readers="proxy")
+
+    @field_validator("proxy_rollout_idle_s")
+    @classmethod
+    def _positive_idle(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"must be > 0 s (an attempt's counter outlives its last call this long), got {value}")
+        return value
 
 
 def _falsy_off(value):

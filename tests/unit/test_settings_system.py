@@ -86,7 +86,7 @@ def test_overrides_are_built_from_field_names_and_checked():
 
 def test_each_name_is_declared_once_and_named_prefix_plus_field():
     known = S.known_names()  # raises on a name two sections declare
-    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 160
+    assert len(known) == sum(len(section.model_fields) for section in S.SECTIONS) == 161
     assert known["SPANRL_TRAINER_LR"] is TrainerConfig and known["SPANRL_TRAINER_THREADS"] is StackSettings
     assert known["SPANRL_RELOADER_GATE"] is ReloaderConfig and known["SPANRL_RELOADER_PORT"] is Settings
     assert known["SPANRL_ROLLOUT_PARTITIONS"] is TopicSettings and known["SPANRL_STREAM_APP_ID"] is StreamSettings
@@ -285,7 +285,7 @@ def test_other_sections_defaults():
     assert TopicSettings.from_environ({}).model_dump() == {"rollout_partitions": 4, "topic_prefix": ""}
     assert ProducerSettings.from_environ({}).model_dump() == {"bridge_max_body_bytes": 8 << 20,
                                                               "proxy_max_body_bytes": 16 << 20, "policy_version": 0,
-                                                              "capture_messages": True}
+                                                              "capture_messages": True, "proxy_rollout_idle_s": 1800.0}
     assert DashboardSettings.from_environ({}).model_dump() == {"dashboard_eval_dirs": "results/eval:results"}
     assert StackSettings.from_environ({}).model_dump() == {"vllm_threads": "2", "trainer_threads": "2"}
     assert S.STACK_TRAINER_START == "latest"
