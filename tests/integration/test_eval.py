@@ -211,11 +211,7 @@ async def test_eval_refuses_unknown_tampered_and_empty(own_reloader, tmp_path):
 async def test_release_gate_refuses_a_degraded_checkpoint_and_serves_a_good_one(own_reloader, tmp_path):
     s = get_settings()
     run, topic = own_reloader["run"], own_reloader["topic"]
-    # the gate's agent: the quickstart's one-call agent (16 tokens a call), so that the degraded
-    # model's rambling costs 16 tokens an episode, not the math agent's 3 x 128
-    quick = "examples.quickstart.agent:spec"
-    rl = await own_reloader["start"](gate=True, gate_tasks=12, gate_concurrency=6, gate_agent=quick,
-                                     gate_task_set=f"{quick}:heldout")
+    rl = await own_reloader["start"](gate=True, gate_tasks=12, gate_concurrency=6)
     minio = checkpoint.make_client(s)
 
     async def wait_for(cond, what: str, timeout_s: float = 600) -> None:
