@@ -1,4 +1,4 @@
-"""spanrl's command line: the local stack, an agent's demo, study and evaluation, replay, chaos.
+"""spanrl's command line: train and evaluate an agent, studies, replay, chaos, the local stack.
 
     spanrl stack up [--only kafka,minio]   start components, wait for health
     spanrl stack status                    table of components, health, endpoints

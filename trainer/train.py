@@ -941,6 +941,8 @@ async def read_announcements(topic: str, run: str, bootstrap: str) -> list[dict]
 
 
 BATCHING_MODES = ("stream", "barrier", "groups")
+#: the batching modes in which a driver may ask for an update (``POST /admin/train``)
+DRIVEN_BATCHING = ("barrier", "groups")
 
 
 def recipe_report(cfg: TrainerConfig, name: str) -> dict:
@@ -1263,11 +1265,12 @@ class Trainer:
 
     async def request_train(self, body: dict) -> tuple[int, dict]:
         """``POST /admin/train {"until": {"<samples topic>:<partition>": next offset, ...}}``
-        (barrier batching): train every sample below these offsets as one update as soon as
-        they are read; answers 202 with the offsets now asked for. 409 ``not_barrier`` when the
-        trainer batches by stream; 400 ``invalid_until`` for offsets that are not a mapping of
-        this trainer's samples partitions to integers >= 0."""
-        if self.cfg.batching != "barrier":
+        (barrier and groups batching: a driver, the main job): train every sample below these
+        offsets as one update as soon as they are read (in groups batching the count rule waits
+        while a request is open); answers 202 with the offsets now asked for. 409 ``not_barrier``
+        when the trainer batches by stream; 400 ``invalid_until`` for offsets that are not a
+        mapping of this trainer's samples partitions to integers >= 0."""
+        if self.cfg.batching not in DRIVEN_BATCHING:
             return 409, {"error": "not_barrier", "detail": f"SPANRL_TRAINER_BATCHING is {self.cfg.batching!r}: "
                                                           "updates are cut by the stream, not on request"}
         until = body.get("until")
@@ -1356,7 +1359,8 @@ class Trainer:
                         buffer.append((tp.partition, m.offset, s))
                         good += s is not None
                 self.state.buffered = good
-                if self.cfg.batching == "barrier":
+                if self.cfg.batching == "barrier" or (self.cfg.batching == "groups" and self._train_until):
+                    # at a barrier, or a driver's request in groups batching (served before the count rule)
                     positions = {p: await consumer.position(tp) for p, tp in tps.items()}
                     asked = dict(self._train_until)
                     head = self._barrier_head(buffer, positions)

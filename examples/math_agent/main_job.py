@@ -287,9 +287,10 @@ async def _run_iteration(it: int, cfg: MainJobConfig, s: Settings, pool: list[di
     await run_task
     # Stage 2: the trainer has trained past every sample of this iteration (its trained
     # offsets, which go into the checkpoint manifest), and the reloader serves that version.
-    # A trainer with barrier batching trains exactly this iteration's samples when asked.
+    # A trainer with barrier batching trains exactly this iteration's samples when asked; one
+    # with groups batching (the default recipe: a stack started by `make up`) too, before its count rule.
     progress.update(bar, description=f"iter {it}: training + reload", total=None)
-    if samples and _trainer_status(s).get("batching") == "barrier":
+    if samples and _trainer_status(s).get("batching") in ("barrier", "groups"):
         request_training(s, samples_next)
     deadline = time.monotonic() + cfg.stage_timeout_s
     while samples and time.monotonic() < deadline:

@@ -212,6 +212,9 @@ async def test_eval_refuses_unknown_tampered_and_empty(own_reloader, tmp_path):
     assert st["pinned"] is None and st["served_version"] == 0
 
 
+# slow tier: ~150 s (the degraded model rambles through 12 math episodes of 3 x 128 tokens); the gate is
+# off by default and its rule is unit-tested (tests/unit/test_trainer_gate.py)
+@pytest.mark.slow
 async def test_release_gate_refuses_a_degraded_checkpoint_and_serves_a_good_one(own_reloader, tmp_path):
     s = get_settings()
     run, topic = own_reloader["run"], own_reloader["topic"]

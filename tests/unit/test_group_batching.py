@@ -74,3 +74,19 @@ def test_the_trainer_knows_the_mode_and_reads_on_in_it():
     cfg = TrainerConfig.from_environ({"SPANRL_TRAINER_BATCHING": "groups", "SPANRL_TRAINER_UPDATE_GROUPS": "4"})
     assert (cfg.batching, cfg.update_groups) == ("groups", 4)
     assert TrainerConfig.from_environ({}).batching == "groups"  # the default (recipe default): no driver needed
+
+
+@pytest.mark.parametrize("mode,status", [("groups", 202), ("barrier", 202), ("stream", 409)])
+def test_a_driver_may_ask_a_groups_trainer_for_an_update(monkeypatch, tmp_path, mode, status):
+    """``POST /admin/train`` works in groups batching too (the main job drives a stack that
+    ``make up`` started with the default recipe); a stream trainer refuses it (409 not_barrier)."""
+    import asyncio
+
+    from spanrl.trainer import train
+
+    monkeypatch.setattr(train.checkpoint, "make_client", lambda settings: None)
+    t = train.Trainer(train.TrainerConfig(run="unit", http=False, log_path=tmp_path / "t.jsonl", batching=mode))
+    code, body = asyncio.run(t.request_train({"until": {f"{t.cfg.samples_topic}:0": 12}}))
+    assert code == status
+    assert t._train_until == ({0: 12} if status == 202 else {})
+    assert train.DRIVEN_BATCHING == ("barrier", "groups")
