@@ -460,7 +460,8 @@ def train(
     options = {**plan["options"], **{k: v for k, v in {"ood_tasks": ood_tasks, "train_task_set": train_task_set or None,
                                                         "heldout_modes": modes, "logprob_shift": logprob_shift}.items()
                                      if v is not None}}
-    if not Stack().running("trainer"):  # the demo's settings, unless set in the environment
+    was_up = Stack().running("trainer")
+    if not was_up:  # the run's trainer settings, unless set in the environment
         for k, v in demo_trainer_env(plan["trainer_env"], chosen).items():
             setdefault_env(k, v)
         setdefault_env("SPANRL_TRAIN_AGENTS", spec.train_agents)  # read by the stream job at start
@@ -468,7 +469,6 @@ def train(
         console.print(f"[yellow]the stack is up: its stream job keeps its agent selection; {agent}'s run "
                       f"trains {spec.train_agents or 'every agent'} (restart the stack to apply)[/yellow]")
     _check_free_space("train")
-    was_up = Stack().running("trainer")
     stack = _fresh_run(re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name))  # the run: <agent>-<UTC time>
     _up_or_exit(stack)
     try:
